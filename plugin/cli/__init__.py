@@ -1,0 +1,53 @@
+"""The `expert-stream` command. Each command group lives in its own module with a `register`
+function that adds its subcommands; this file only assembles them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules contributing subcommands, in the order `--help` lists them.
+COMMAND_MODULES = [
+    "expert_stream.plugin.cli.engine_commands",   # synth, generate
+    "expert_stream.plugin.cli.server_commands",   # serve, mlx-lm-server, demo, plan, status
+    "expert_stream.plugin.cli.speed_commands",    # bench, trace, policy-eval
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="expert-stream",
+        description="Run MoE models larger than memory: stream routed experts from SSD.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # a command group not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserFacingError as exc:
+        print(f"expert-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class UserFacingError(Exception):
+    """An error whose message is complete for the user: printed without a traceback."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Splitting the expert budget over MoE layers: how many slots each layer gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BudgetError
+from .settings import GIB, StreamSettings
+from .slots import ExpertTensor, expert_bytes
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    path: str
+    num_experts: int
+    num_slots: int
+    expert_bytes: int  # one expert, all its tensors
+    resident: bool  # left as a stock block: all experts fit in this layer's share
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_slots * self.expert_bytes
+
+
+def plan_layers(
+    layers: list[tuple[str, list[ExpertTensor]]],
+    settings: StreamSettings,
+    top_k: int | None,
+    model_dir: Path,
+) -> list[LayerPlan]:
+    """Evenly: every layer gets the same number of slots, as many as the budget pays for."""
+    sizes = [expert_bytes(tensors) for _, tensors in layers]
+    counts = [tensors[0].num_experts for _, tensors in layers]
+    per_slot_row = sum(sizes)  # one slot in every layer
+    slots = settings.budget_bytes // per_slot_row
+    need = max(top_k or 1, 1)
+    if slots < need:
+        smallest = need * per_slot_row / GIB
+        raise BudgetError(
+            f"{model_dir}: budget_gib={settings.budget_gib} pays for {slots} expert slot(s) per "
+            f"MoE layer, but each token is routed to {need} experts in every one of the "
+            f"{len(layers)} MoE layers; the smallest budget is {smallest:.3f} GiB"
+        )
+    return [
+        LayerPlan(
+            path=path,
+            num_experts=count,
+            num_slots=min(slots, count),
+            expert_bytes=size,
+            resident=settings.resident and slots >= count,
+        )
+        for (path, _), size, count in zip(layers, sizes, counts)
+    ]

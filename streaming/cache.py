@@ -1,0 +1,110 @@
+"""Per-layer expert cache: which expert sits in which slot, who gets evicted, and the counters.
+
+The cache only does bookkeeping over expert ids and slot numbers; the slot memory is
+`ExpertSlots` and the bytes come from the reader. Eviction decisions are delegated to a policy
+object (streaming/policy.py), the same code the trace simulator runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .policy import make_policy
+
+EMPTY = -1
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    hits: int = 0  # expert-uses served from a slot (an expert counts once per call)
+    misses: int = 0  # expert-uses that had to be read
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # wall time the compute thread waited for reads
+    prefetch_reads: int = 0  # speculative reads issued by the lookahead
+    prefetch_hits: int = 0  # of those, experts a later call used before eviction
+    sweep_calls: int = 0  # calls that needed more experts than the layer has slots
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ExpertCache:
+    """Expert -> slot table for one MoE layer with `num_slots` slots over `num_experts` experts."""
+
+    def __init__(self, num_experts: int, num_slots: int, policy: str = "default"):
+        if num_slots < 1:
+            raise ValueError("an expert cache needs at least one slot")
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.slot_of = np.full(num_experts, EMPTY, dtype=np.int32)
+        self.expert_in = np.full(num_slots, EMPTY, dtype=np.int32)
+        # Experts placed by a prefetch that no call has used yet (to score the lookahead).
+        self.speculative = np.zeros(num_experts, dtype=bool)
+        self.policy = make_policy(policy, num_experts, num_slots)
+        self.stats = LayerStats()
+        self.step = 0
+
+    def resident(self, experts: np.ndarray) -> np.ndarray:
+        """Bool mask: which of `experts` sit in a slot now."""
+        return self.slot_of[experts] != EMPTY
+
+    def access(self, needed: np.ndarray) -> np.ndarray:
+        """Record one call that uses the unique experts `needed`; return the ones missing."""
+        self.step += 1
+        self.stats.calls += 1
+        self.policy.on_access(needed, self.step)
+        hit = self.resident(needed)
+        self.stats.hits += int(hit.sum())
+        used_spec = needed[hit & self.speculative[needed]]
+        if used_spec.size:
+            self.stats.prefetch_hits += int(used_spec.size)
+            self.speculative[used_spec] = False
+        missing = needed[~hit]
+        self.stats.misses += int(missing.size)
+        return missing
+
+    def place(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> np.ndarray:
+        """Give each of `experts` (not resident) a slot, evicting others but never an expert in
+        `protected`; return the slots, aligned with `experts`. The caller fills them."""
+        slots = np.empty(len(experts), dtype=np.int32)
+        free = np.flatnonzero(self.expert_in == EMPTY)
+        n_free = min(len(free), len(experts))
+        slots[:n_free] = free[:n_free]
+        need = len(experts) - n_free
+        if need:
+            occupied = np.flatnonzero(self.expert_in != EMPTY)
+            resident = self.expert_in[occupied]
+            guard = np.isin(resident, protected)
+            if int((~guard).sum()) < need:
+                raise RuntimeError(
+                    f"cannot place {len(experts)} experts: {self.num_slots} slots, "
+                    f"{int(guard.sum())} protected"
+                )
+            victims = np.asarray(self.policy.choose_victims(resident, need, guard), dtype=np.int32)
+            victim_slots = self.slot_of[victims]
+            for v in victims:
+                self.policy.on_evict(int(v))
+            self.slot_of[victims] = EMPTY
+            self.speculative[victims] = False
+            self.stats.evictions += need
+            slots[n_free:] = victim_slots
+        self.slot_of[experts] = slots
+        self.expert_in[slots] = experts
+        if prefetched:
+            self.speculative[experts] = True
+        for e in experts:
+            self.policy.on_insert(int(e), prefetched)
+        return slots
+
+    def drop(self, experts: np.ndarray) -> None:
+        """Forget experts whose slots do not hold valid bytes (a failed read)."""
+        experts = experts[self.slot_of[experts] != EMPTY]
+        self.expert_in[self.slot_of[experts]] = EMPTY
+        self.slot_of[experts] = EMPTY
+        self.speculative[experts] = False
+        for e in experts:
+            self.policy.on_evict(int(e))

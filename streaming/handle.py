@@ -1,0 +1,58 @@
+"""The handle `expert_stream.load` returns: counters and lifetime of one streamed model."""
+
+from __future__ import annotations
+
+from .cache import LayerStats
+
+
+class StreamHandle:
+    def __init__(self, index, settings, streams, plans, reader, model):
+        self.index = index
+        self.settings = settings
+        self.streams = streams  # LayerStream per streamed layer, in model order
+        self.plans = plans  # LayerPlan per MoE layer (streamed or resident)
+        self.reader = reader
+        self.model = model
+
+    @property
+    def model_path(self):
+        return self.index.model_dir
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of slot memory actually allocated (at most the budget)."""
+        return sum(p.slot_bytes for p in self.plans if not p.resident)
+
+    def stats(self) -> dict:
+        """Totals and per-layer counters (hits, misses, evictions, bytes, read seconds)."""
+        layers = {s.name: s.cache.stats.as_dict() | {"slots": s.cache.num_slots} for s in self.streams}
+        totals = LayerStats()
+        for s in self.streams:
+            for key, value in s.cache.stats.as_dict().items():
+                setattr(totals, key, getattr(totals, key) + value)
+        total = totals.as_dict()
+        uses = total["hits"] + total["misses"]
+        total["hit_rate"] = total["hits"] / uses if uses else 0.0
+        return {
+            "model_path": str(self.model_path),
+            "streamed_layers": len(self.streams),
+            "resident_layers": sum(p.resident for p in self.plans),
+            "slot_bytes": self.budget_bytes,
+            "reader": self.reader.backend,
+            "cache_bypass": self.reader.cache_bypass,
+            "totals": total,
+            "layers": layers,
+        }
+
+    def reset_stats(self) -> None:
+        for s in self.streams:
+            s.cache.stats = LayerStats()
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,148 @@
+"""Loading: build the stock mlx-lm model lazily, swap every routed-expert block for a streamed
+one before anything is evaluated, then evaluate the trunk. Expert tensors never materialize:
+the lazy arrays `mlx_lm.utils.load_model(lazy=True)` made for them are dropped unevaluated."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
+from .budget import LayerPlan, plan_layers
+from .cache import ExpertCache
+from .checkpoint import CheckpointIndex
+from .errors import CheckpointError, NotMoEError
+from .handle import StreamHandle
+from .reader import ExpertReader
+from .settings import GIB, StreamSettings
+from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
+from .streamed_switch import LayerStream, StreamedSwitch
+
+log = logging.getLogger("expert_stream")
+
+# Quantization modes MLX's gather_qmm implements and the bit widths affine supports.
+QUANT_MODES = {"affine": (2, 3, 4, 5, 6, 8), "mxfp4": (4,), "mxfp8": (8,), "nvfp4": (4,)}
+
+
+def load(
+    path: str | Path,
+    budget_gib: float | None = None,
+    *,
+    architectures: list[ArchitectureSpec] | None = None,
+    tokenizer_config: dict | None = None,
+    model_config: dict | None = None,
+    **settings: Any,
+):
+    """Load an MLX MoE checkpoint with its routed experts streamed from disk.
+
+    Returns (model, tokenizer, handle). The model is a stock mlx-lm model whose expert blocks
+    are streamed; use it with `mlx_lm.generate` / `stream_generate` as usual. `handle.stats()`
+    reports the cache counters; `handle.close()` releases the reader.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model_path = Path(path).expanduser()
+    if budget_gib is not None:
+        settings["budget_gib"] = budget_gib
+    stream_settings = StreamSettings.from_mapping(settings, where="expert_stream.load")
+    index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
+    model, config = load_model(model_path, lazy=True, model_config=model_config)
+    handle = attach(model, index, stream_settings, architectures)
+    mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
+    tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, handle
+
+
+def attach(
+    model: nn.Module,
+    index: CheckpointIndex | str | Path,
+    settings: StreamSettings,
+    architectures: list[ArchitectureSpec] | None = None,
+) -> StreamHandle:
+    """Swap the routed-expert blocks of a lazily loaded (not yet evaluated) model for streamed
+    ones. The caller evaluates the trunk afterwards (`mx.eval(model.parameters())`)."""
+    if not isinstance(index, CheckpointIndex):
+        index = CheckpointIndex(index)
+    spec = spec_for(index.model_type, architectures)
+    blocks = find_expert_blocks(model, spec)
+    if not blocks:
+        raise NotMoEError(
+            f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers "
+            "(no SwitchGLU / SwitchMLP blocks); load it with mlx_lm.load, there is nothing to stream"
+        )
+    if settings.mlx_cache_limit_gib is not None:
+        mx.set_cache_limit(int(settings.mlx_cache_limit_gib * GIB))
+    layouts = [(path, block, expert_tensors(index, path, block, spec)) for path, block in blocks]
+    top_k = spec.experts_per_token(index.config)
+    plans = plan_layers(
+        [(path, tensors) for path, _, tensors in layouts], settings, top_k, index.model_dir
+    )
+    reader = ExpertReader(
+        index.files, threads=settings.reader_threads, cache_bypass=settings.cache_bypass,
+        backend=settings.reader,
+    )
+    write_mode = resolve_slot_write(settings.slot_write)
+    streams = []
+    for (path, block, tensors), plan in zip(layouts, plans):
+        if plan.resident:
+            continue  # stays a stock block; its lazy tensors load with the trunk
+        streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode))
+    log.info(
+        "%s: streaming %d of %d expert layers, %d slots each",
+        index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
+    )
+    return StreamHandle(index, settings, streams, plans, reader, model)
+
+
+def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode) -> LayerStream:
+    slots = ExpertSlots(tensors, plan.num_slots, write_mode)
+    block.update(tree_unflatten(list(slots.arrays.items())))  # drops the lazy expert arrays
+    cache = ExpertCache(plan.num_experts, plan.num_slots, settings.policy)
+    stream = LayerStream(path, cache, slots, reader)
+    model.update_modules(tree_unflatten([(path, StreamedSwitch(block, stream, settings.overlap))]))
+    return stream
+
+
+def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):
+    """The checkpoint tensors behind a block's parameters, checked against the model's shapes."""
+    _check_quantization(index, path, block)
+    tensors = []
+    for leaf, param in tree_flatten(block.parameters()):
+        full = f"{path}.{leaf}"
+        info = index.find(full, spec.key_candidates(full))
+        if info is None:
+            unstacked = index.unstacked_experts_near(full)
+            if unstacked:
+                raise CheckpointError(
+                    f"{index.model_dir}: experts are not stacked (found {unstacked[0]}, ...); "
+                    "streaming needs the layout mlx_lm.convert writes: convert the checkpoint first"
+                )
+            raise CheckpointError(f"{index.model_dir}: tensor {full} not found in any shard")
+        if tuple(info.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{index.files[info.file]}: tensor {info.name} has shape {list(info.shape)}, "
+                f"the model expects {list(param.shape)}"
+            )
+        tensors.append(ExpertTensor(leaf, info))
+    return tensors
+
+
+def _check_quantization(index, path, block):
+    for name, module in block.named_modules():
+        mode = getattr(module, "mode", None)
+        bits = getattr(module, "bits", None)
+        if bits is None:
+            continue
+        mode = mode or "affine"
+        if mode not in QUANT_MODES or bits not in QUANT_MODES[mode]:
+            raise CheckpointError(
+                f"{index.model_dir / 'config.json'}: {path}.{name} uses unsupported quantization "
+                f"mode={mode} bits={bits} (supported: "
+                + ", ".join(f"{m} {list(b)}" for m, b in QUANT_MODES.items())
+                + ")"
+            )

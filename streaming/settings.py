@@ -1,0 +1,119 @@
+"""Streaming settings: one dataclass, validated on construction, with errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import SettingsError
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How one model's routed experts are streamed.
+
+    budget_gib: bytes of expert slots for all MoE layers together (the cache), in GiB.
+    """
+
+    budget_gib: float
+    # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
+    policy: str = "default"
+    # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
+    prefetch: bool = True
+    # At most this many speculative reads per layer per token.
+    prefetch_per_layer: int = 4
+    # Leave MoE layers whose experts all fit in their share of the budget as stock resident layers.
+    resident: bool = False
+    # Routing trace (expert-stream trace) whose most used experts are loaded into the slots at load.
+    warm_start: Optional[str] = None
+    # Tokens per prefill chunk handed to the model (the host's prefill_step_size when it has one).
+    prefill_step: int = 2048
+    # Split the budget over layers by measured miss curves (warm-start trace) instead of evenly.
+    budget_by_trace: bool = True
+    # Reader: threads, backend ("auto" | "native" | "python") and page-cache bypass mode.
+    reader_threads: int = 4
+    reader: str = "auto"
+    cache_bypass: str = "auto"
+    # How misses reach the slots: "auto" (straight into slot memory where the backend allows it),
+    # "direct" (always), or "copy" (a staging buffer, then an MLX slice update).
+    slot_write: str = "auto"
+    # Compute the resident experts of a decode step while its misses are read.
+    overlap: bool = True
+    # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
+    mlx_cache_limit_gib: Optional[float] = 1.0
+    # Lossy knobs, off by default: fewer experts per token, and skipping low-weight misses.
+    top_k_override: Optional[int] = None
+    skip_miss_below: Optional[float] = None
+
+    def __post_init__(self):
+        _check_types(self)
+        if not self.budget_gib > 0:
+            raise SettingsError(f"budget_gib must be > 0 GiB, got {self.budget_gib!r}")
+        if self.prefetch_per_layer < 0:
+            raise SettingsError("prefetch_per_layer must be >= 0")
+        if self.prefill_step < 1:
+            raise SettingsError("prefill_step must be >= 1")
+        if self.reader_threads < 1:
+            raise SettingsError("reader_threads must be >= 1")
+        _check_choice("reader", self.reader, ("auto", "native", "python"))
+        _check_choice("cache_bypass", self.cache_bypass, ("auto", "direct", "fadvise", "nocache", "none"))
+        _check_choice("slot_write", self.slot_write, ("auto", "direct", "copy"))
+        if self.top_k_override is not None and self.top_k_override < 1:
+            raise SettingsError("top_k_override must be >= 1")
+        if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:
+            raise SettingsError("skip_miss_below must be in [0, 1)")
+        if self.warm_start is not None and not Path(self.warm_start).expanduser().is_file():
+            raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_gib * GIB)
+
+    @property
+    def exact(self) -> bool:
+        """False when a lossy knob is on (output may differ from stock)."""
+        return self.top_k_override is None and self.skip_miss_below is None
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], where: str = "settings") -> "StreamSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SettingsError(
+                f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if "budget_gib" not in values:
+            raise SettingsError(f"{where}: budget_gib is required")
+        try:
+            return cls(**values)
+        except SettingsError as exc:
+            raise SettingsError(f"{where}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise SettingsError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}
+
+
+def _check_types(settings: StreamSettings) -> None:
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        kind = str(f.type).replace("Optional[", "").rstrip("]")
+        if value is None and "Optional" in str(f.type):
+            continue
+        allowed = _TYPES.get(kind)
+        if allowed is None:
+            continue
+        # bool is an int in Python; a budget of True is a mistake, not 1 GiB.
+        if isinstance(value, bool) and kind != "bool" or not isinstance(value, allowed):
+            raise SettingsError(f"{f.name} must be {kind}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,111 @@
+"""Slot memory of one MoE layer: for each stacked expert tensor (weight, scales, biases, bias) an
+MLX array with `num_slots` rows in place of `num_experts`, so the stock SwitchGLU / SwitchMLP
+computes on slots exactly as it computes on experts (the kernels only gather rows).
+
+Two ways to fill a slot, both leaving MLX arrays made on the compute thread only:
+- direct: the reader writes the expert's bytes straight into the slot rows through a writable
+  byte view of the (evaluated) slot array; zero copies. Needs host-addressable array memory
+  (CPU and Metal unified memory; CUDA managed memory).
+- copy: the reader fills a staging buffer; the compute thread then writes it with an MLX slice
+  update, which happens in place when no pending graph holds the array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import TensorInfo
+
+# safetensors dtype -> MLX dtype
+MX_DTYPES = {
+    "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16,
+    "U32": mx.uint32, "I32": mx.int32, "U8": mx.uint8, "I8": mx.int8,
+    "U16": mx.uint16, "I16": mx.int16, "U64": mx.uint64, "I64": mx.int64, "BOOL": mx.bool_,
+}
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One stacked expert tensor of a block: `leaf` is its path inside the block
+    (e.g. "gate_proj.scales"); expert e's bytes are info.start + e * row_bytes, row_bytes long."""
+
+    leaf: str
+    info: TensorInfo
+
+    @property
+    def num_experts(self) -> int:
+        return self.info.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.info.nbytes // self.num_experts
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.info.shape[1:]
+
+    @property
+    def mx_dtype(self):
+        return MX_DTYPES[self.info.dtype]
+
+    def offset_of(self, expert: int) -> int:
+        return self.info.start + int(expert) * self.row_bytes
+
+
+def expert_bytes(tensors: list[ExpertTensor]) -> int:
+    """Bytes one expert takes across all tensors of a block."""
+    return sum(t.row_bytes for t in tensors)
+
+
+def resolve_slot_write(mode: str) -> str:
+    """'auto' -> 'direct' where MLX arrays live in host-addressable memory (CPU, Metal's unified
+    memory), 'copy' elsewhere (CUDA: writes through a host view would fault managed pages)."""
+    if mode != "auto":
+        return mode
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "copy"
+    return "direct"
+
+
+class ExpertSlots:
+    def __init__(self, tensors: list[ExpertTensor], num_slots: int, write_mode: str):
+        self.tensors = tensors
+        self.num_slots = num_slots
+        self.write_mode = write_mode
+        self.arrays = {t.leaf: mx.zeros((num_slots, *t.row_shape), dtype=t.mx_dtype) for t in tensors}
+        mx.eval(list(self.arrays.values()))
+        self._views = {}
+        if write_mode == "direct":
+            for t in tensors:
+                raw = self.arrays[t.leaf].reshape(num_slots, -1).view(mx.uint8)
+                mx.eval(raw)
+                view = np.array(raw, copy=False)
+                if not view.flags.writeable or view.shape != (num_slots, t.row_bytes):
+                    raise RuntimeError("direct slot writes need a writable host view of MLX memory")
+                self._views[t.leaf] = view
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * expert_bytes(self.tensors)
+
+    def destinations(self, slot: int) -> list[np.ndarray]:
+        """Writable byte buffers, one per tensor, that receive an expert's rows for `slot`
+        (slot memory itself when direct, fresh staging buffers when copying)."""
+        if self.write_mode == "direct":
+            return [self._views[t.leaf][slot] for t in self.tensors]
+        return [np.empty(t.row_bytes, dtype=np.uint8) for t in self.tensors]
+
+    def commit(self, slots: np.ndarray, staged: list[list[np.ndarray]]) -> None:
+        """After the reads finished: copy mode writes staged bytes into the slot arrays. Runs on
+        the compute thread; no pending graph may read these arrays (the caller settles them)."""
+        if self.write_mode == "direct":
+            return
+        for slot, buffers in zip(slots, staged):
+            for t, buf in zip(self.tensors, buffers):
+                row = mx.array(buf).view(t.mx_dtype).reshape(t.row_shape)
+                self.arrays[t.leaf][int(slot)] = row
+        mx.eval(list(self.arrays.values()))
