@@ -26,6 +26,8 @@ class LayerStats:
     read_seconds: float = 0.0  # wall time the compute thread waited for reads
     prefetch_reads: int = 0  # speculative reads issued by the lookahead
     prefetch_hits: int = 0  # of those, experts a later call used before eviction
+    guesses: int = 0  # experts the lookahead guessed for this layer
+    guess_hits: int = 0  # of those, experts the layer then used
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots
 
     def as_dict(self) -> dict:

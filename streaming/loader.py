@@ -21,7 +21,10 @@ from .handle import StreamHandle
 from .reader import ExpertReader
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
-from .streamed_switch import LayerStream, StreamedSwitch
+from .layer_stream import LayerStream
+from .lookahead import Lookahead, make_probe
+from .prefill_sweep import ScratchPool
+from .streamed_switch import StreamedSwitch
 
 log = logging.getLogger("expert_stream")
 
@@ -87,11 +90,15 @@ def attach(
         backend=settings.reader,
     )
     write_mode = resolve_slot_write(settings.slot_write)
+    scratch = ScratchPool(write_mode)
     streams = []
     for (path, block, tensors), plan in zip(layouts, plans):
         if plan.resident:
             continue  # stays a stock block; its lazy tensors load with the trunk
         streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode))
+        streams[-1].scratch = scratch
+    if settings.prefetch:
+        _link_lookahead(model, streams, spec, top_k, settings)
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",
         index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
@@ -104,8 +111,18 @@ def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_
     block.update(tree_unflatten(list(slots.arrays.items())))  # drops the lazy expert arrays
     cache = ExpertCache(plan.num_experts, plan.num_slots, settings.policy)
     stream = LayerStream(path, cache, slots, reader)
-    model.update_modules(tree_unflatten([(path, StreamedSwitch(block, stream, settings.overlap))]))
+    layer = StreamedSwitch(block, stream, settings.overlap)
+    model.update_modules(tree_unflatten([(path, layer)]))
     return stream
+
+
+def _link_lookahead(model, streams, spec, top_k, settings) -> None:
+    """Each streamed layer guesses the experts of the next streamed layer."""
+    router_hook = spec.router
+    for current, nxt in zip(streams, streams[1:]):
+        probe = make_probe(model, current.name, nxt.name, top_k or 1, router_hook)
+        if probe is not None:
+            current.lookahead = Lookahead(probe, nxt, settings.prefetch_per_layer)
 
 
 def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):

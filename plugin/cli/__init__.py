@@ -7,11 +7,15 @@ import argparse
 import importlib
 import sys
 
+from expert_stream.streaming.errors import ExpertStreamError
+
 # Modules contributing subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
-    "expert_stream.plugin.cli.engine_commands",   # synth, generate
+    "expert_stream.plugin.cli.engine_commands",   # generate
+    "expert_stream.plugin.cli.synth_command",     # synth
     "expert_stream.plugin.cli.server_commands",   # serve, mlx-lm-server, demo, plan, status
-    "expert_stream.plugin.cli.speed_commands",    # bench, trace, policy-eval
+    "expert_stream.plugin.cli.speed_commands",    # bench, trace
+    "expert_stream.plugin.cli.policy_command",    # policy-eval
 ]
 
 
@@ -40,13 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except UserFacingError as exc:
+    except ExpertStreamError as exc:
         print(f"expert-stream {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-class UserFacingError(Exception):
-    """An error whose message is complete for the user: printed without a traceback."""
 
 
 if __name__ == "__main__":

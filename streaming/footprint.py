@@ -1,0 +1,77 @@
+"""What a checkpoint costs in memory, from headers and a lazily built model (no tensor data is
+read): trunk bytes, routed-expert bytes per layer, and the smallest budget that can stream it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
+from .checkpoint import CheckpointIndex
+from .errors import NotMoEError
+from .settings import GIB
+from .slots import expert_bytes
+
+
+@dataclass(frozen=True)
+class Footprint:
+    model_dir: Path
+    model_type: str
+    total_bytes: int
+    expert_bytes: int  # all routed experts of all layers
+    layer_expert_bytes: tuple[int, ...]  # one expert of each MoE layer, all its tensors
+    num_experts: tuple[int, ...]
+    top_k: int | None
+
+    @property
+    def trunk_bytes(self) -> int:
+        return self.total_bytes - self.expert_bytes
+
+    @property
+    def bytes_per_slot_row(self) -> int:
+        """One slot in every MoE layer."""
+        return sum(self.layer_expert_bytes)
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget: one token's experts in every layer."""
+        return (self.top_k or 1) * self.bytes_per_slot_row
+
+    @property
+    def min_budget_gib(self) -> float:
+        return self.min_budget_bytes / GIB
+
+    def budget_gib_for_slots(self, slots: int) -> float:
+        return slots * self.bytes_per_slot_row / GIB
+
+    @property
+    def token_expert_bytes(self) -> int:
+        """Bytes of experts one decode token touches (top_k per layer)."""
+        return self.min_budget_bytes
+
+
+def checkpoint_footprint(
+    path: str | Path, architectures: list[ArchitectureSpec] | None = None
+) -> Footprint:
+    from mlx_lm.utils import load_model
+
+    from .loader import expert_tensors
+
+    index = CheckpointIndex(path)
+    model, _ = load_model(index.model_dir, lazy=True)
+    spec = spec_for(index.model_type, architectures)
+    blocks = find_expert_blocks(model, spec)
+    if not blocks:
+        raise NotMoEError(f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers")
+    layers = [expert_tensors(index, p, b, spec) for p, b in blocks]
+    per_layer = tuple(expert_bytes(t) for t in layers)
+    counts = tuple(t[0].num_experts for t in layers)
+    return Footprint(
+        model_dir=index.model_dir,
+        model_type=index.model_type,
+        total_bytes=index.total_bytes(),
+        expert_bytes=sum(b * n for b, n in zip(per_layer, counts)),
+        layer_expert_bytes=per_layer,
+        num_experts=counts,
+        top_k=spec.experts_per_token(index.config),
+    )

@@ -1,0 +1,119 @@
+"""Everything of one streamed layer that is not MLX module state: the slot table, the slot
+memory, reads (demand and speculative), and the pending outputs that pin slots."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import ExpertCache
+from .errors import ReadError
+from .reader import ExpertReader, ReadRequest
+from .slots import ExpertSlots
+
+log = logging.getLogger("expert_stream")
+
+
+class PendingReads:
+    """Reads of `experts` into `slots` of `target`, running on the reader's threads."""
+
+    __slots__ = ("target", "experts", "slots", "dests", "future")
+
+    def __init__(self, target: ExpertSlots, experts, slots, dests, future):
+        self.target, self.experts, self.slots, self.dests, self.future = target, experts, slots, dests, future
+
+
+class LayerStream:
+    def __init__(self, name: str, cache: ExpertCache, slots: ExpertSlots, reader: ExpertReader):
+        self.name = name
+        self.cache = cache
+        self.slots = slots
+        self.reader = reader
+        self.pending: list[mx.array] = []  # outputs not known to be evaluated; they pin slots
+        self.prefetching: PendingReads | None = None
+        self.lookahead = None  # Lookahead into the next streamed layer (set by the loader)
+        self.scratch = None  # ScratchPool shared by the model's layers (prefill sweep)
+        self.last_guess: np.ndarray | None = None
+        self.last_path = None  # "resident" | "overlap" | "sweep": what the last call did
+
+    # -- pins ---------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Evaluate pending outputs of this layer: after this no graph reads its slots."""
+        if self.pending:
+            mx.eval(self.pending)
+            self.pending = []
+
+    # -- reads --------------------------------------------------------------------------------
+    def read_into(self, target: ExpertSlots, experts: np.ndarray, slots: np.ndarray) -> PendingReads:
+        """Start reading `experts` into `slots` of `target` (slot memory or a scratch buffer)."""
+        dests = [target.destinations(int(s)) for s in slots]
+        # Offsets come from this layer's tensors: a scratch target is shared by layers whose
+        # tensors have the same shapes, so its own `tensors` may describe another layer.
+        requests = [
+            ReadRequest(t.info.file, t.offset_of(e), t.row_bytes, d)
+            for e, ds in zip(experts, dests)
+            for t, d in zip(self.slots.tensors, ds)
+        ]
+        return PendingReads(target, experts, slots, dests, self.reader.submit(requests))
+
+    def start_reads(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> PendingReads:
+        """Give `experts` cache slots (never evicting `protected`) and start reading them."""
+        self.settle()
+        slots = self.cache.place(experts, protected, prefetched)
+        return self.read_into(self.slots, experts, slots)
+
+    def finish_reads(self, reads: PendingReads, pending=()) -> None:
+        """Wait for the reads and make the bytes visible to MLX."""
+        t0 = time.perf_counter()
+        try:
+            result = reads.future.result()
+        except Exception as exc:
+            if reads.target is self.slots:
+                self.cache.drop(reads.experts)
+            if isinstance(exc, ReadError):
+                raise ReadError(f"{self.name}: {exc}") from exc
+            raise
+        stats = self.cache.stats
+        stats.read_seconds += time.perf_counter() - t0
+        stats.bytes_read += result.bytes
+        if reads.target.write_mode != "direct" and pending:
+            mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
+        reads.target.commit(reads.slots, reads.dests)
+
+    def slot_indices(self, ids: np.ndarray) -> mx.array:
+        return mx.array(self.cache.slot_of[ids].astype(np.uint32))
+
+    # -- lookahead ----------------------------------------------------------------------------
+    def prefetch(self, guessed: np.ndarray, cap: int) -> None:
+        """Start speculative reads of the guessed experts this layer lacks (first `cap`)."""
+        self.await_prefetch()
+        wanted = guessed[~self.cache.resident(guessed)][:cap]
+        if wanted.size == 0:
+            return
+        self.cache.stats.prefetch_reads += int(wanted.size)
+        self.prefetching = self.start_reads(wanted, protected=guessed, prefetched=True)
+
+    def await_prefetch(self) -> None:
+        """Called before this layer computes: speculative bytes must have landed."""
+        reads, self.prefetching = self.prefetching, None
+        if reads is None:
+            return
+        try:
+            self.finish_reads(reads)
+        except Exception as exc:  # the demand read of the same bytes will report it properly
+            log.debug("%s: speculative read failed: %s", self.name, exc)
+
+    def record_guess(self, guessed: np.ndarray) -> None:
+        self.last_guess = guessed
+
+    def score_guess(self, needed: np.ndarray) -> None:
+        """Compare the lookahead's last guess for this layer with what it really needed."""
+        if self.last_guess is None:
+            return
+        stats = self.cache.stats
+        stats.guesses += int(self.last_guess.size)
+        stats.guess_hits += int(np.isin(self.last_guess, needed).sum())
+        self.last_guess = None

@@ -1,0 +1,125 @@
+"""Routing lookahead: during decode, layer l guesses which experts the next MoE layer will pick
+and starts reading the missing ones while layer l (and the next attention) computes.
+
+The guess applies the next layer's router to layer l's expert input. That input is
+`rms(h) * w_l` (layer l's norm); the next router sees `rms(h') * w_next` where h' differs from
+h by one attention and one MoE output, so `x * (w_next / w_l)` is the next router's input up to
+that drift. The guess is evaluated together with layer l's own routing (no extra sync).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .architectures import NORM_NAMES, ROUTER_NAMES
+
+# A layer turns its lookahead off when fewer than this share of its speculative reads were used
+# (a read that is never used costs disk time the real misses need) ...
+MIN_USEFUL_SHARE = 0.25
+# ... judged over windows of this many speculative reads,
+WINDOW_READS = 64
+# ... and tries again after this many calls, since routing drifts with the text.
+RETRY_AFTER_CALLS = 512
+
+
+def _router_logits(block: nn.Module) -> Optional[Callable[[mx.array], mx.array]]:
+    """A function x -> scores whose top-k are the experts `block` routes x to (up to group
+    limits), from the block's router: a Linear / QuantizedLinear, or a gate holding `weight`
+    (DeepSeek-style sigmoid scores plus a correction bias)."""
+    for name in ROUTER_NAMES:
+        router = block.get(name) if isinstance(block, dict) else None
+        if router is None:
+            continue
+        if isinstance(router, (nn.Linear, nn.QuantizedLinear)):
+            return router
+        weight = router.get("weight") if isinstance(router, nn.Module) else None
+        if isinstance(weight, mx.array) and weight.ndim == 2:
+            bias = router.get("e_score_correction_bias")
+            if isinstance(bias, mx.array):
+                return lambda x, w=weight, b=bias: mx.sigmoid(x @ w.T) + b
+            return lambda x, w=weight: x @ w.T
+    return None
+
+
+def _norm_weight(layer: nn.Module) -> Optional[mx.array]:
+    for name in NORM_NAMES:
+        norm = layer.get(name) if isinstance(layer, dict) else None
+        if isinstance(norm, nn.RMSNorm):
+            return norm.weight
+    return None
+
+
+class RouterProbe:
+    """Guesses a block's experts from another layer's normalised input."""
+
+    def __init__(self, logits: Callable[[mx.array], mx.array], scale: mx.array, count: int):
+        self.logits = logits
+        self.scale = scale
+        self.count = count
+
+    def guess(self, x: mx.array) -> mx.array:
+        """Lazy: the `count` most likely experts for the last token, most confident first."""
+        scores = self.logits(x.reshape(-1, x.shape[-1])[-1:] * self.scale)[0]
+        return mx.argsort(-scores.astype(mx.float32))[: self.count]
+
+
+def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router_hook=None):
+    """A probe for the block at path_next, fed with the input of the block at path_l, or None
+    when the architecture does not show a router or RMSNorm weights to rescale."""
+    block_next = _module_at(model, path_next.rsplit(".", 1)[0])
+    layer_l = _module_at(model, path_l.rsplit(".", 2)[0])
+    layer_next = _module_at(model, path_next.rsplit(".", 2)[0])
+    logits = router_hook(block_next) if router_hook else _router_logits(block_next)
+    w_l, w_next = _norm_weight(layer_l), _norm_weight(layer_next)
+    if logits is None or w_l is None or w_next is None:
+        return None
+    safe = mx.where(w_l == 0, 1, w_l)
+    scale = mx.where(w_l == 0, 0, w_next / safe)
+    return RouterProbe(logits, scale, count)
+
+
+def _module_at(model: nn.Module, path: str):
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+class Lookahead:
+    """Layer l's lookahead into the next streamed layer, with its on/off bookkeeping."""
+
+    def __init__(self, probe: RouterProbe, target, per_call: int):
+        self.probe = probe
+        self.target = target  # the next layer's LayerStream
+        self.per_call = per_call
+        self.active = True
+        self._calls_off = 0
+        self._window_start = (0, 0)  # target's (prefetch_reads, prefetch_hits) when the window began
+
+    def guess(self, x: mx.array) -> Optional[mx.array]:
+        if not self.active:
+            self._calls_off += 1
+            if self._calls_off >= RETRY_AFTER_CALLS:
+                self.active, self._calls_off = True, 0
+                self._window_start = self._counts()
+            return None
+        return self.probe.guess(x)
+
+    def issue(self, guessed: np.ndarray) -> None:
+        """Start reading the guessed experts the target lacks, most confident first."""
+        self.target.record_guess(guessed)
+        self.target.prefetch(guessed, self.per_call)
+        reads, useful = self._counts()
+        start_reads, start_useful = self._window_start
+        if reads - start_reads >= WINDOW_READS:
+            if (useful - start_useful) / (reads - start_reads) < MIN_USEFUL_SHARE:
+                self.active = False
+            self._window_start = (reads, useful)
+
+    def _counts(self):
+        stats = self.target.cache.stats
+        return stats.prefetch_reads, stats.prefetch_hits

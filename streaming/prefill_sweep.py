@@ -1,0 +1,141 @@
+"""Expert-major prefill: a call (a prefill chunk) that routes to more experts than the layer
+has slots reads each missing expert exactly once, in expert-id order (adjacent experts are
+adjacent in the shard, so reads merge into long spans), and computes the chunk's pairs expert
+group by expert group.
+
+Order of work for one call:
+1. experts already in the slots compute first, from the slots;
+2. the chunk's most used experts (up to the slot count) are adopted: read into the slots they
+   will keep after the call, so decode starts warm;
+3. the rest stream through a double-buffered scratch block outside the cache (a throwaway
+   buffer): batch j+1 is read while batch j computes;
+4. the adopted experts compute from the slots.
+Every (token, expert) pair is computed by the stock projection layers, sorted exactly when
+stock sorts the whole call; outputs are stitched back in routing order by a pure gather.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from .slots import ExpertSlots
+
+# Experts per scratch batch (two batches double-buffer). Bigger batches mean fewer kernel
+# launches; the scratch costs 2 * SCRATCH_EXPERTS experts of memory, shared by all layers.
+SCRATCH_EXPERTS = 8
+
+
+def expert_rows(module: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:
+    """The body of SwitchGLU / SwitchMLP between its sort and unsort, on given rows."""
+    if "gate_proj" in module:
+        up = module.up_proj(x, idx, sorted_indices=do_sort)
+        gate = module.gate_proj(x, idx, sorted_indices=do_sort)
+        return module.down_proj(module.activation(up, gate), idx, sorted_indices=do_sort)
+    h = module.activation(module.fc1(x, idx, sorted_indices=do_sort))
+    return module.fc2(h, idx, sorted_indices=do_sort)
+
+
+def with_arrays(inner: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A shallow copy of the block computing with other expert tensors (scratch buffers)."""
+    clone = copy.copy(inner)
+    for child in {leaf.split(".", 1)[0] for leaf in arrays}:
+        clone[child] = copy.copy(inner[child])
+    clone.update(tree_unflatten(list(arrays.items())))
+    return clone
+
+
+class ScratchPool:
+    """Two scratch batches per distinct expert layout, shared by every layer of a model."""
+
+    def __init__(self, write_mode: str, batch: int = SCRATCH_EXPERTS):
+        self.write_mode = write_mode
+        self.batch = batch
+        self._buffers: dict[tuple, list[ExpertSlots]] = {}
+
+    def buffers(self, tensors) -> list[ExpertSlots]:
+        key = tuple((t.leaf, t.row_shape, t.info.dtype) for t in tensors)
+        if key not in self._buffers:
+            self._buffers[key] = [ExpertSlots(tensors, self.batch, self.write_mode) for _ in range(2)]
+        return self._buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for pair in self._buffers.values() for b in pair)
+
+
+def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool) -> mx.array:
+    stream = layer.stream
+    cache = stream.cache
+    cache.stats.sweep_calls += 1
+    stream.last_path = "sweep"
+    k = ids.shape[-1]
+    flat = ids.reshape(-1)
+    rows_of = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # one row per token, as stock
+    uses = np.bincount(flat, minlength=cache.num_experts)
+
+    missing = cache.access(needed)
+    resident = np.setdiff1d(needed, missing)
+    hottest = needed[np.argsort(-uses[needed], kind="stable")[: cache.num_slots]]
+    adopt = np.setdiff1d(hottest, resident)  # read into the slots they keep
+    cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
+
+    def compute(module, experts, slot_of):
+        pos = np.flatnonzero(np.isin(flat, experts))
+        slots = slot_of(flat[pos])
+        if do_sort:
+            by_slot = np.argsort(slots, kind="stable")
+            pos, slots = pos[by_slot], slots[by_slot]
+        y = expert_rows(module, rows_of[mx.array(pos // k)], mx.array(slots.astype(np.uint32)), do_sort)
+        outputs.append(y)
+        positions.append(pos)
+        return y
+
+    outputs, positions = [], []
+    from_cache = lambda e: cache.slot_of[e]  # noqa: E731
+    if resident.size:
+        y = compute(layer.inner, resident, from_cache)
+        mx.async_eval(y)
+        stream.pending.append(y)
+
+    buffers = stream.scratch.buffers(stream.slots.tensors) if cold.size else []
+    batches = [cold[i : i + stream.scratch.batch] for i in range(0, cold.size, stream.scratch.batch)]
+    scratch_reads = _read_batch(stream, buffers, batches, 0)
+    # The slots of resident experts that are not adopted may be reused once step 1 evaluated
+    # (start_reads settles this layer's pending outputs first).
+    adopt_reads = stream.start_reads(adopt, protected=hottest) if adopt.size else None
+    in_use = [None, None]  # the output computing from each scratch buffer
+    for j, batch in enumerate(batches):
+        stream.finish_reads(scratch_reads)
+        if j + 1 < len(batches):
+            if in_use[(j + 1) % 2] is not None:
+                mx.eval(in_use[(j + 1) % 2])  # its buffer is about to be overwritten
+            scratch_reads = _read_batch(stream, buffers, batches, j + 1)
+        buffer = buffers[j % 2]
+        local = np.full(cache.num_experts, -1, dtype=np.int32)
+        local[batch] = np.arange(batch.size, dtype=np.int32)
+        y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e])
+        mx.async_eval(y)
+        in_use[j % 2] = y
+    if adopt_reads is not None:
+        stream.finish_reads(adopt_reads, pending=[o for o in in_use if o is not None])
+        compute(layer.inner, adopt, from_cache)
+    mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
+    stream.pending = []
+
+    pos = np.concatenate(positions)
+    inverse = np.empty_like(pos)
+    inverse[pos] = np.arange(pos.size)
+    y = mx.concatenate(outputs, axis=0)[mx.array(inverse)]
+    return mx.unflatten(y, 0, ids.shape).squeeze(-2)
+
+
+def _read_batch(stream, buffers, batches, j):
+    if j >= len(batches):
+        return None
+    batch = batches[j]
+    return stream.read_into(buffers[j % 2], batch, np.arange(batch.size, dtype=np.int32))
