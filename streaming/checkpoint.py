@@ -94,10 +94,11 @@ class CheckpointIndex:
                 return self.tensors[key]
         return None
 
-    def unstacked_experts_near(self, module_path: str) -> list[str]:
-        """Per-expert tensors (`...experts.0.gate_proj.weight`) near a module: the layout of an
-        unconverted Hugging Face checkpoint, which stock mlx-lm stacks in memory at load."""
-        parent = module_path.rsplit(".", 1)[0]
+    def unstacked_experts_near(self, expert_block_path: str) -> list[str]:
+        """Per-expert tensors (`<moe block>.experts.0.gate_proj.weight`) beside an expert block:
+        the layout of an unconverted Hugging Face checkpoint, which stock mlx-lm stacks in
+        memory at load."""
+        parent = expert_block_path.rsplit(".", 1)[0]
         pattern = re.compile(re.escape(parent) + r"\.(?:[\w]+\.)?\d+\.")
         return [k for k in self.tensors if pattern.match(k) or pattern.match(k.split("language_model.", 1)[-1])]
 

@@ -54,6 +54,7 @@ def load(
         settings["budget_gib"] = budget_gib
     stream_settings = StreamSettings.from_mapping(settings, where="expert_stream.load")
     index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
+    check_quantization(index)
     model, config = load_model(model_path, lazy=True, model_config=model_config)
     handle = attach(model, index, stream_settings, architectures)
     mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
@@ -127,13 +128,12 @@ def _link_lookahead(model, streams, spec, top_k, settings) -> None:
 
 def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):
     """The checkpoint tensors behind a block's parameters, checked against the model's shapes."""
-    _check_quantization(index, path, block)
     tensors = []
     for leaf, param in tree_flatten(block.parameters()):
         full = f"{path}.{leaf}"
         info = index.find(full, spec.key_candidates(full))
         if info is None:
-            unstacked = index.unstacked_experts_near(full)
+            unstacked = index.unstacked_experts_near(path)
             if unstacked:
                 raise CheckpointError(
                     f"{index.model_dir}: experts are not stacked (found {unstacked[0]}, ...); "
@@ -149,17 +149,23 @@ def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: Ar
     return tensors
 
 
-def _check_quantization(index, path, block):
-    for name, module in block.named_modules():
-        mode = getattr(module, "mode", None)
-        bits = getattr(module, "bits", None)
+def check_quantization(index: CheckpointIndex) -> None:
+    """Refuse quantization MLX cannot run, naming config.json and the entry, before mlx-lm
+    builds the model (where the failure would be an unexplained kernel error)."""
+    quant = index.config.get("quantization")
+    if not isinstance(quant, dict):
+        return
+    entries = [("quantization", quant)]
+    entries += [(f"quantization[{k!r}]", v) for k, v in quant.items() if isinstance(v, dict)]
+    for where, entry in entries:
+        bits = entry.get("bits")
         if bits is None:
             continue
-        mode = mode or "affine"
+        mode = entry.get("mode", "affine")  # as nn.quantize: a per-path entry does not inherit
         if mode not in QUANT_MODES or bits not in QUANT_MODES[mode]:
             raise CheckpointError(
-                f"{index.model_dir / 'config.json'}: {path}.{name} uses unsupported quantization "
-                f"mode={mode} bits={bits} (supported: "
-                + ", ".join(f"{m} {list(b)}" for m, b in QUANT_MODES.items())
+                f"{index.model_dir / 'config.json'}: {where} asks for mode={mode} bits={bits}, "
+                "which MLX cannot run (supported: "
+                + "; ".join(f"{m} bits {', '.join(map(str, b))}" for m, b in QUANT_MODES.items())
                 + ")"
             )

@@ -17,11 +17,11 @@ import numpy as np
 
 from .architectures import NORM_NAMES, ROUTER_NAMES
 
-# A layer turns its lookahead off when fewer than this share of its speculative reads were used
-# (a read that is never used costs disk time the real misses need) ...
-MIN_USEFUL_SHARE = 0.25
-# ... judged over windows of this many speculative reads,
-WINDOW_READS = 64
+# A layer turns its lookahead off when fewer than this share of its guesses are experts the next
+# layer then uses: a wrong guess costs a read and a slot that real misses need ...
+MIN_GUESS_HIT_SHARE = 0.3
+# ... judged over windows of this many guessed experts,
+WINDOW_GUESSES = 128
 # ... and tries again after this many calls, since routing drifts with the text.
 RETRY_AFTER_CALLS = 512
 
@@ -98,7 +98,7 @@ class Lookahead:
         self.per_call = per_call
         self.active = True
         self._calls_off = 0
-        self._window_start = (0, 0)  # target's (prefetch_reads, prefetch_hits) when the window began
+        self._window_start = (0, 0)  # target's (guesses, guess_hits) when the window began
 
     def guess(self, x: mx.array) -> Optional[mx.array]:
         if not self.active:
@@ -113,13 +113,13 @@ class Lookahead:
         """Start reading the guessed experts the target lacks, most confident first."""
         self.target.record_guess(guessed)
         self.target.prefetch(guessed, self.per_call)
-        reads, useful = self._counts()
-        start_reads, start_useful = self._window_start
-        if reads - start_reads >= WINDOW_READS:
-            if (useful - start_useful) / (reads - start_reads) < MIN_USEFUL_SHARE:
+        guesses, hits = self._counts()
+        start_guesses, start_hits = self._window_start
+        if guesses - start_guesses >= WINDOW_GUESSES:
+            if (hits - start_hits) / (guesses - start_guesses) < MIN_GUESS_HIT_SHARE:
                 self.active = False
-            self._window_start = (reads, useful)
+            self._window_start = (guesses, hits)
 
     def _counts(self):
         stats = self.target.cache.stats
-        return stats.prefetch_reads, stats.prefetch_hits
+        return stats.guesses, stats.guess_hits

@@ -1,0 +1,143 @@
+"""The streamed layer's contracts beyond equal bits: it takes stock's kernel path (the bits
+cannot tell on CPU/CUDA, see MEASURED.md), pins slots a pending graph reads, reads each expert
+once per prefill chunk, adopts the chunk's hottest experts, and the lookahead reports itself."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from exactness import assert_same_logits, load_pair, prompt_ids
+from expert_stream.streaming.streamed_switch import StreamedSwitch
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records `sorted_indices` of every gather_qmm / gather_mm call."""
+    calls = []
+    for name in ("gather_qmm", "gather_mm"):
+        original = getattr(mx, name)
+
+        def spy(*args, _original=original, **kwargs):
+            calls.append(bool(kwargs.get("sorted_indices", False)))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(mx, name, spy)
+    return calls
+
+
+def _streamed_layers(model):
+    """In model order (named_modules lists the deepest last layer first)."""
+    return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitch)][::-1]
+
+
+@pytest.mark.parametrize("bits", [4, 0])
+def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits):
+    path = checkpoints("qwen3_moe", bits=bits)
+    stock, streamed, handle = load_pair(path, prefetch=False)
+    for tokens, expect_sorted in ((48, True), (1, False)):  # prefill (sweep), decode
+        x = prompt_ids(tokens)
+        kernel_calls.clear()
+        mx.eval(stock(x))
+        stock_flags = set(kernel_calls)
+        kernel_calls.clear()
+        mx.eval(streamed(x))
+        assert stock_flags == {expect_sorted}
+        assert set(kernel_calls) == stock_flags, f"{tokens} tokens: streamed took another kernel path"
+    handle.close()
+
+
+def test_decode_overlaps_hits_with_reads(checkpoints):
+    path = checkpoints("qwen3_moe")
+    stock, streamed, handle = load_pair(path, slots=6, prefetch=False)
+    layers = _streamed_layers(streamed)
+    paths = []
+    c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
+    token = prompt_ids(1)
+    for _ in range(12):
+        a, b = stock(token, cache=c1), streamed(token, cache=c2)
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item()
+        paths += [layer.stream.last_path for layer in layers]
+        token = mx.argmax(a[:, -1:], axis=-1)
+    assert "overlap" in paths  # some steps had both hits and misses
+    handle.close()
+
+
+def test_pending_graph_pins_its_slots(checkpoints):
+    """A lazy output whose slots a later call needs is evaluated before they are overwritten."""
+    path = checkpoints("qwen3_moe", bits=0)
+    stock, streamed, handle = load_pair(path, prefetch=False)
+    layer = _streamed_layers(streamed)[0]
+    stock_layer = stock.model.layers[0].mlp.switch_mlp
+    x = mx.random.normal((1, 1, stock.args.hidden_size), key=mx.random.key(1))
+    experts = stock.args.num_experts
+    first = mx.array([[[0, 1, 2, 3]]], dtype=mx.uint32)
+    second = mx.array([[[4, 5, 6, 7]]], dtype=mx.uint32)  # evicts every slot `first` used
+    y_first = layer(x, first)  # not evaluated
+    y_second = layer(x, second)
+    assert experts >= 8
+    assert mx.array_equal(y_first, stock_layer(x, first)).item()
+    assert mx.array_equal(y_second, stock_layer(x, second)).item()
+    handle.close()
+
+
+def test_prefill_reads_each_expert_once_and_adopts_hottest(checkpoints):
+    path = checkpoints("qwen3_moe", experts=32, top_k=4)
+    stock, streamed, handle = load_pair(path, slots=6, prefetch=False)
+    x = prompt_ids(64, seed=5)
+    y = streamed(x)
+    mx.eval(y)
+    plan_bytes = {p.path: p.expert_bytes for p in handle.plans}
+    for layer in _streamed_layers(streamed):
+        stats = layer.stream.cache.stats
+        assert stats.sweep_calls == 1
+        # A cold cache: every needed expert missed, and was read exactly once.
+        assert stats.bytes_read == stats.misses * plan_bytes[layer.stream.name]
+    # The pool holds the chunk's most used experts of the first layer.
+    stock_block = stock.model.layers[0].mlp
+    h = stock.model.embed_tokens(x)
+    layer0 = stock.model.layers[0]
+    h = h + layer0.self_attn(layer0.input_layernorm(h), mask="causal", cache=None)
+    gates = mx.softmax(stock_block.gate(layer0.post_attention_layernorm(h)), axis=-1)
+    ids = np.array(mx.argpartition(gates, kth=-4, axis=-1)[..., -4:]).reshape(-1)
+    uses = np.bincount(ids, minlength=32)
+    cache = _streamed_layers(streamed)[0].stream.cache
+    held = set(cache.expert_in[cache.expert_in >= 0].tolist())
+    threshold = np.sort(uses)[-cache.num_slots]
+    assert {int(e) for e in np.flatnonzero(uses > threshold)} <= held
+    assert all(uses[e] >= threshold for e in held)
+    handle.close()
+
+
+def test_lookahead_reports_and_switches_off(checkpoints):
+    path = checkpoints("qwen3_moe", experts=32, top_k=4, layers=3)
+    stock, streamed, handle = load_pair(path, slots=8)
+    layers = _streamed_layers(streamed)
+    look = layers[0].stream.lookahead
+    assert look is not None
+    # Make layer 0's guesses useless: always experts layer 1 is never routed to here.
+    real_guess = look.probe.guess
+    never = mx.array(np.arange(32, dtype=np.int32))
+    look.probe.guess = lambda x: never[28:32]
+    c = make_prompt_cache(streamed)
+    token = prompt_ids(1)
+    for _ in range(40):
+        logits = streamed(token, cache=c)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token)
+        if not look.active:
+            break
+    stats = layers[1].stream.cache.stats
+    assert stats.guesses > 0
+    assert not look.active, "useless guesses must switch the layer's lookahead off"
+    look.probe.guess = real_guess
+    # With the real probe, exactness is untouched by prefetching.
+    stock2, streamed2, handle2 = load_pair(path, slots=8)
+    assert_same_logits(stock2, streamed2, prompt_ids(20), decode_steps=12)
+    per_layer = handle2.stats()["layers"]
+    assert sum(v["guesses"] for v in per_layer.values()) > 0
+    handle.close()
+    handle2.close()
