@@ -8,6 +8,7 @@ from pathlib import Path
 from .errors import BudgetError
 from .settings import GIB, StreamSettings
 from .slots import ExpertTensor, expert_bytes
+from .warm_start import slots_from_curves
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,10 @@ def plan_layers(
     settings: StreamSettings,
     top_k: int | None,
     model_dir: Path,
+    hit_curves: list | None = None,
 ) -> list[LayerPlan]:
-    """Evenly: every layer gets the same number of slots, as many as the budget pays for."""
+    """Slots per layer: evenly (as many in every layer as the budget pays for), or, given
+    measured hit curves (warm_start.lru_hit_curve per layer), where they gain the most hits."""
     sizes = [expert_bytes(tensors) for _, tensors in layers]
     counts = [tensors[0].num_experts for _, tensors in layers]
     per_slot_row = sum(sizes)  # one slot in every layer
@@ -42,13 +45,16 @@ def plan_layers(
             f"MoE layer, but each token is routed to {need} experts in every one of the "
             f"{len(layers)} MoE layers; the smallest budget is {smallest:.3f} GiB"
         )
+    per_layer = [slots] * len(layers)
+    if hit_curves is not None:
+        per_layer = slots_from_curves(hit_curves, sizes, settings.budget_bytes, need)
     return [
         LayerPlan(
             path=path,
             num_experts=count,
-            num_slots=min(slots, count),
+            num_slots=min(n, count),
             expert_bytes=size,
-            resident=settings.resident and slots >= count,
+            resident=settings.resident and n >= count,
         )
-        for (path, _), size, count in zip(layers, sizes, counts)
+        for (path, _), size, count, n in zip(layers, sizes, counts, per_layer)
     ]

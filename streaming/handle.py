@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from .cache import LayerStats
+from .recorder import TraceRecorder
 
 
 class StreamHandle:
-    def __init__(self, index, settings, streams, plans, reader, model):
+    def __init__(self, index, settings, streams, plans, reader, model, warm_start_bytes=0):
         self.index = index
         self.settings = settings
         self.streams = streams  # LayerStream per streamed layer, in model order
         self.plans = plans  # LayerPlan per MoE layer (streamed or resident)
         self.reader = reader
         self.model = model
+        self.warm_start_bytes = warm_start_bytes  # read at load to preload the trace's experts
 
     @property
     def model_path(self):
@@ -40,9 +44,23 @@ class StreamHandle:
             "slot_bytes": self.budget_bytes,
             "reader": self.reader.backend,
             "cache_bypass": self.reader.cache_bypass,
+            "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
             "layers": layers,
         }
+
+    @contextmanager
+    def recording(self):
+        """Record the routing of every streamed layer while the block runs:
+        `with handle.recording() as rec: ...; rec.trace()`."""
+        recorder = TraceRecorder([s.name for s in self.streams], self.streams[0].cache.num_experts)
+        for position, s in enumerate(self.streams):
+            s.recorder, s.position = recorder, position
+        try:
+            yield recorder
+        finally:
+            for s in self.streams:
+                s.recorder = None
 
     def reset_stats(self) -> None:
         for s in self.streams:

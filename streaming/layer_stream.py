@@ -37,6 +37,11 @@ class LayerStream:
         self.lookahead = None  # Lookahead into the next streamed layer (set by the loader)
         self.scratch = None  # ScratchPool shared by the model's layers (prefill sweep)
         self.last_guess: np.ndarray | None = None
+        self.recorder = None  # TraceRecorder while the handle records routing
+        self.position = 0  # index among the model's streamed layers (for the recorder)
+        # Benchmark only: compute as if every expert were resident (expert e uses slot
+        # e % slots, no reads, no sync) to time the compute floor of a model too big for RAM.
+        self.forced_hits = False
         self.last_path = None  # "resident" | "overlap" | "sweep": what the last call did
 
     # -- pins ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
 from .budget import LayerPlan, plan_layers
-from .cache import ExpertCache
+from .cache import ExpertCache, LayerStats
 from .checkpoint import CheckpointIndex
 from .errors import CheckpointError, NotMoEError
 from .handle import StreamHandle
@@ -25,6 +25,8 @@ from .layer_stream import LayerStream
 from .lookahead import Lookahead, make_probe
 from .prefill_sweep import ScratchPool
 from .streamed_switch import StreamedSwitch
+from .traces import load_trace
+from .warm_start import CURVE_TOKENS, lru_hit_curve, preload, trace_columns
 
 log = logging.getLogger("expert_stream")
 
@@ -83,8 +85,13 @@ def attach(
         mx.set_cache_limit(int(settings.mlx_cache_limit_gib * GIB))
     layouts = [(path, block, expert_tensors(index, path, block, spec)) for path, block in blocks]
     top_k = spec.experts_per_token(index.config)
+    trace, columns = _warm_start_trace(settings, [path for path, _, _ in layouts])
+    curves = None
+    if columns is not None and settings.budget_by_trace:
+        recent = trace.ids[-CURVE_TOKENS:]
+        curves = [lru_hit_curve(recent[:, c], t[0].num_experts) for c, (_, _, t) in zip(columns, layouts)]
     plans = plan_layers(
-        [(path, tensors) for path, _, tensors in layouts], settings, top_k, index.model_dir
+        [(path, tensors) for path, _, tensors in layouts], settings, top_k, index.model_dir, curves
     )
     reader = ExpertReader(
         index.files, threads=settings.reader_threads, cache_bypass=settings.cache_bypass,
@@ -100,11 +107,32 @@ def attach(
         streams[-1].scratch = scratch
     if settings.prefetch:
         _link_lookahead(model, streams, spec, top_k, settings)
+    warm_bytes = 0
+    if columns is not None:
+        by_path = dict(zip([path for path, _, _ in layouts], columns))
+        warm_bytes = preload(streams, trace, [by_path[s.name] for s in streams])
+        for s in streams:
+            s.cache.stats = LayerStats()  # the counters describe serving, not the warm start
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",
         index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
     )
-    return StreamHandle(index, settings, streams, plans, reader, model)
+    return StreamHandle(index, settings, streams, plans, reader, model, warm_bytes)
+
+
+def _warm_start_trace(settings, layer_paths):
+    """(trace, trace column per MoE layer) of the warm_start setting, or (None, None)."""
+    if settings.warm_start is None:
+        return None, None
+    trace = load_trace(Path(settings.warm_start).expanduser())
+    columns = trace_columns(trace, layer_paths)
+    if columns is None:
+        log.warning(
+            "warm_start %s: its layers %s are not this model's MoE layers; ignored",
+            settings.warm_start, list(trace.layer_ids),
+        )
+        return None, None
+    return trace, columns
 
 
 def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode) -> LayerStream:

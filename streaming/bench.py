@@ -1,0 +1,208 @@
+"""The speed benchmark: one run that measures a streamed model against its own bound and, when
+the checkpoint fits in memory, against stock mlx-lm on the same prompt.
+
+bound = 1 / max(t_compute, miss_bytes_per_token / disk_bandwidth): a token cannot be faster
+than its compute with every expert resident, nor than the disk can deliver its misses.
+t_compute comes from stock mlx-lm when the model fits, otherwise from the streamed model with
+forced hits (every expert treated as resident: same kernels, no reads).
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .disk_bandwidth import measure_read_bandwidth
+from .footprint import checkpoint_footprint
+from .settings import GIB
+
+# Stock runs only when the checkpoint, its KV cache and MLX temporaries fit with this headroom.
+STOCK_HEADROOM_BYTES = 4 * GIB
+
+
+@dataclass
+class BenchConfig:
+    model_dir: Path
+    budget_gib: float
+    prompt_tokens: int = 512
+    gen_tokens: int = 64
+    settings: dict = field(default_factory=dict)  # StreamSettings fields besides budget_gib
+    stock: str = "auto"  # "auto": when it fits in memory; "yes"; "no"
+    disk_bytes: int = 1 << 30  # read to measure the disk's bandwidth
+    seed: int = 0
+
+
+def peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def _prompt(vocab: int, n: int, seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(3, vocab - 1, n), dtype=mx.int32)
+
+
+def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int, on_first=None) -> dict:
+    """Greedy generation through mlx_lm.generate_step (the loop servers run). Prefill time ends
+    when the first token is out; decode rate is over the remaining tokens."""
+    from mlx_lm.generate import generate_step
+
+    tokens = []
+    t0 = time.perf_counter()
+    t_first = None
+    for token, _ in generate_step(prompt, model, max_tokens=gen_tokens, prefill_step_size=prefill_step):
+        tokens.append(int(token))
+        if t_first is None:
+            t_first = time.perf_counter()
+            if on_first is not None:
+                on_first()
+    t_end = time.perf_counter()
+    decode_s = max(t_end - t_first, 1e-9)
+    return {
+        "tokens": tokens,
+        "prefill_s": t_first - t0,
+        "prefill_tok_s": prompt.size / (t_first - t0),
+        "decode_s": decode_s,
+        "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else 0.0,
+    }
+
+
+def _vocab(model) -> int:
+    args = getattr(model, "args", None)
+    vocab = getattr(args, "vocab_size", None) or getattr(getattr(model, "language_model", None), "args", args).vocab_size
+    return int(vocab)
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
+    import psutil
+
+    import expert_stream.streaming.loader as loader
+
+    fp = checkpoint_footprint(cfg.model_dir)
+    report = {
+        "model_dir": str(cfg.model_dir),
+        "model_type": fp.model_type,
+        "checkpoint_gb": fp.total_bytes / 1e9,
+        "expert_gb": fp.expert_bytes / 1e9,
+        "trunk_gb": fp.trunk_bytes / 1e9,
+        "budget_gib": cfg.budget_gib,
+        "prompt_tokens": cfg.prompt_tokens,
+        "gen_tokens": cfg.gen_tokens,
+        "device": str(mx.default_device()),
+        "settings": dict(cfg.settings),
+    }
+
+    log(f"disk: reading {cfg.disk_bytes / 1e9:.1f} GB of this checkpoint's shards with the engine's reader")
+    block = max(fp.layer_expert_bytes) // 3 if fp.layer_expert_bytes else 4 << 20  # ~ one expert tensor
+    disk = measure_read_bandwidth(
+        sorted(Path(cfg.model_dir).glob("model*.safetensors")), block_bytes=max(block, 64 << 10),
+        total_bytes=cfg.disk_bytes, threads=cfg.settings.get("reader_threads", 4),
+        cache_bypass=cfg.settings.get("cache_bypass", "auto"),
+    )
+    report["disk_gbps"] = disk["gbps"]
+
+    log(f"streamed: budget {cfg.budget_gib} GiB, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens")
+    model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
+    prompt = _prompt(_vocab(model), cfg.prompt_tokens, cfg.seed)
+    at_first_token = {}
+    run = timed_generation(
+        model, prompt, cfg.gen_tokens, handle.settings.prefill_step,
+        on_first=lambda: at_first_token.update(handle.stats()),
+    )
+    prefill_stats = at_first_token["totals"]
+    totals = handle.stats()["totals"]
+    decode = {k: totals[k] - prefill_stats.get(k, 0) for k in ("hits", "misses", "bytes_read", "read_seconds")}
+    decode_tokens = max(len(run["tokens"]) - 1, 1)
+    uses = decode["hits"] + decode["misses"]
+    report.update(
+        decode_tok_s=run["decode_tok_s"],
+        prefill_tok_s=run["prefill_tok_s"],
+        miss_rate=decode["misses"] / uses if uses else 0.0,
+        bytes_per_token=decode["bytes_read"] / decode_tokens,
+        bytes_per_prompt_token=prefill_stats.get("bytes_read", 0) / cfg.prompt_tokens,
+        read_wait_per_token_s=decode["read_seconds"] / decode_tokens,
+        slots_per_layer=[s.cache.num_slots for s in handle.streams],
+        slot_gb=handle.budget_bytes / 1e9,
+        reader=handle.reader.backend,
+        cache_bypass=handle.reader.cache_bypass,
+        prefill_reads_per_missed_expert=_prefill_reads_per_miss(handle, at_first_token),
+        lookahead=_lookahead_report(handle),
+        peak_rss_gb=peak_rss_bytes() / 1e9,
+    )
+    streamed_tokens = run["tokens"]
+
+    stock_fits = fp.total_bytes + STOCK_HEADROOM_BYTES < psutil.virtual_memory().available
+    run_stock = cfg.stock == "yes" or (cfg.stock == "auto" and stock_fits)
+    if not run_stock:
+        log("t_compute: same layers with forced hits (stock mlx-lm does not fit in memory)")
+        for s in handle.streams:
+            s.forced_hits = True
+        forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32), handle.settings.prefill_step)
+        report["t_compute_s"] = 1 / forced["decode_tok_s"]
+        report["t_compute_source"] = "forced_hits"
+    handle.close()
+    del model, handle
+    gc.collect()
+    mx.clear_cache()
+
+    if run_stock:
+        from mlx_lm.utils import load_model
+
+        log("stock mlx-lm: same prompt, every expert resident")
+        stock, _ = load_model(Path(cfg.model_dir))
+        stock_run = timed_generation(stock, prompt, cfg.gen_tokens, int(cfg.settings.get("prefill_step", 2048)))
+        report["stock_tok_s"] = stock_run["decode_tok_s"]
+        report["stock_prefill_tok_s"] = stock_run["prefill_tok_s"]
+        report["ratio_to_stock"] = report["decode_tok_s"] / stock_run["decode_tok_s"]
+        report["t_compute_s"] = 1 / stock_run["decode_tok_s"]
+        report["t_compute_source"] = "stock"
+        report["token_agreement_with_stock"] = _agreement(streamed_tokens, stock_run["tokens"])
+        del stock
+        gc.collect()
+        mx.clear_cache()
+
+    t_disk = report["bytes_per_token"] / (report["disk_gbps"] * 1e9)
+    report["t_disk_s"] = t_disk
+    report["bound_tok_s"] = 1 / max(report["t_compute_s"], t_disk)
+    report["ratio_to_bound"] = report["decode_tok_s"] / report["bound_tok_s"]
+    return report
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    n = min(len(a), len(b))
+    return float(np.mean(np.array(a[:n]) == np.array(b[:n]))) if n else 0.0
+
+
+def _prefill_reads_per_miss(handle, stats_at_first_token: dict) -> float:
+    """Bytes read during prefill over the bytes of the experts it missed: 1.0 when each missing
+    expert was read once per chunk (the first token's lookahead reads add a little)."""
+    size = {p.path: p.expert_bytes for p in handle.plans}
+    layers = stats_at_first_token["layers"]
+    missed = sum(layers[name]["misses"] * size[name] for name in layers)
+    return stats_at_first_token["totals"]["bytes_read"] / missed if missed else 0.0
+
+
+def _lookahead_report(handle) -> dict:
+    per_layer = {}
+    for s in handle.streams:
+        st = s.cache.stats
+        if st.guesses:
+            per_layer[s.name] = round(st.guess_hits / st.guesses, 3)
+    guesses = sum(s.cache.stats.guesses for s in handle.streams)
+    hits = sum(s.cache.stats.guess_hits for s in handle.streams)
+    reads = sum(s.cache.stats.prefetch_reads for s in handle.streams)
+    used = sum(s.cache.stats.prefetch_hits for s in handle.streams)
+    return {
+        "guess_hit_rate": hits / guesses if guesses else None,
+        "prefetch_reads": reads,
+        "prefetch_used": used,
+        "layers_off": sum(1 for s in handle.streams if s.lookahead is not None and not s.lookahead.active),
+        "guess_hit_rate_per_layer": per_layer,
+    }
