@@ -54,6 +54,9 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
     when the first token is out; decode rate is over the remaining tokens."""
     from mlx_lm.generate import generate_step
 
+    # Warm-up: the first calls compile kernels (CUDA, Metal); neither side should time that.
+    for _ in generate_step(prompt[:4], model, max_tokens=2, prefill_step_size=prefill_step):
+        pass
     tokens = []
     t0 = time.perf_counter()
     t_first = None

@@ -29,6 +29,7 @@ class LayerStats:
     guesses: int = 0  # experts the lookahead guessed for this layer
     guess_hits: int = 0  # of those, experts the layer then used
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots
+    resident_calls: int = 0  # calls with every expert in a slot: no sync, hits not counted
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +50,7 @@ class ExpertCache:
         self.policy = make_policy(policy, num_experts, num_slots)
         self.stats = LayerStats()
         self.step = 0
+        self.version = 0  # bumped whenever the expert -> slot table changes
 
     def resident(self, experts: np.ndarray) -> np.ndarray:
         """Bool mask: which of `experts` sit in a slot now."""
@@ -96,6 +98,7 @@ class ExpertCache:
             slots[n_free:] = victim_slots
         self.slot_of[experts] = slots
         self.expert_in[slots] = experts
+        self.version += 1
         if prefetched:
             self.speculative[experts] = True
         for e in experts:
@@ -107,6 +110,7 @@ class ExpertCache:
         experts = experts[self.slot_of[experts] != EMPTY]
         self.expert_in[self.slot_of[experts]] = EMPTY
         self.slot_of[experts] = EMPTY
+        self.version += 1
         self.speculative[experts] = False
         for e in experts:
             self.policy.on_evict(int(e))

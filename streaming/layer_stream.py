@@ -20,10 +20,10 @@ log = logging.getLogger("expert_stream")
 class PendingReads:
     """Reads of `experts` into `slots` of `target`, running on the reader's threads."""
 
-    __slots__ = ("target", "experts", "slots", "dests", "future")
+    __slots__ = ("target", "experts", "slots", "staged", "future")
 
-    def __init__(self, target: ExpertSlots, experts, slots, dests, future):
-        self.target, self.experts, self.slots, self.dests, self.future = target, experts, slots, dests, future
+    def __init__(self, target: ExpertSlots, experts, slots, staged, future):
+        self.target, self.experts, self.slots, self.staged, self.future = target, experts, slots, staged, future
 
 
 class LayerStream:
@@ -42,6 +42,11 @@ class LayerStream:
         # Benchmark only: compute as if every expert were resident (expert e uses slot
         # e % slots, no reads, no sync) to time the compute floor of a model too big for RAM.
         self.forced_hits = False
+        # Once a layer with a slot per expert holds them all, its slot table never changes:
+        # the layer maps ids to slots on the device and needs no sync at all (stock's cost).
+        self.all_resident = False
+        self._table: mx.array | None = None
+        self._table_version = -1
         self.last_path = None  # "resident" | "overlap" | "sweep": what the last call did
 
     # -- pins ---------------------------------------------------------------------------------
@@ -54,7 +59,12 @@ class LayerStream:
     # -- reads --------------------------------------------------------------------------------
     def read_into(self, target: ExpertSlots, experts: np.ndarray, slots: np.ndarray) -> PendingReads:
         """Start reading `experts` into `slots` of `target` (slot memory or a scratch buffer)."""
-        dests = [target.destinations(int(s)) for s in slots]
+        if target.write_mode == "direct":
+            staged = None
+            dests = [target.destinations(int(s)) for s in slots]
+        else:
+            staged = target.staging(len(slots))
+            dests = [[block[i] for block in staged] for i in range(len(slots))]
         # Offsets come from this layer's tensors: a scratch target is shared by layers whose
         # tensors have the same shapes, so its own `tensors` may describe another layer.
         requests = [
@@ -62,7 +72,7 @@ class LayerStream:
             for e, ds in zip(experts, dests)
             for t, d in zip(self.slots.tensors, ds)
         ]
-        return PendingReads(target, experts, slots, dests, self.reader.submit(requests))
+        return PendingReads(target, experts, slots, staged, self.reader.submit(requests))
 
     def start_reads(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> PendingReads:
         """Give `experts` cache slots (never evicting `protected`) and start reading them."""
@@ -86,10 +96,26 @@ class LayerStream:
         stats.bytes_read += result.bytes
         if reads.target.write_mode != "direct" and pending:
             mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
-        reads.target.commit(reads.slots, reads.dests)
+        reads.target.commit(reads.slots, reads.staged)
+        if reads.target is self.slots and not self.all_resident:
+            self.check_all_resident()
+
+    def check_all_resident(self) -> None:
+        cache = self.cache
+        if cache.num_slots == cache.num_experts and bool((cache.slot_of >= 0).all()):
+            self.all_resident = True
 
     def slot_indices(self, ids: np.ndarray) -> mx.array:
         return mx.array(self.cache.slot_of[ids].astype(np.uint32))
+
+    def device_slots(self, indices: mx.array) -> mx.array:
+        """Slot numbers for routed `indices`, gathered on the device from a copy of the table
+        that is refreshed only when the table changed: a step of hits moves no new array to
+        the device (on CUDA each fresh host array costs a page-fault transfer)."""
+        if self._table_version != self.cache.version:
+            self._table = mx.array(self.cache.slot_of.astype(np.uint32))
+            self._table_version = self.cache.version
+        return self._table[indices]
 
     # -- lookahead ----------------------------------------------------------------------------
     def prefetch(self, guessed: np.ndarray, cap: int) -> None:

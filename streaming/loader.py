@@ -22,11 +22,11 @@ from .reader import ExpertReader
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
 from .layer_stream import LayerStream
-from .lookahead import Lookahead, make_probe
+from .lookahead import Lookahead, make_probe, resolve_prefetch
 from .prefill_sweep import ScratchPool
 from .streamed_switch import StreamedSwitch
 from .traces import load_trace
-from .warm_start import CURVE_TOKENS, lru_hit_curve, preload, trace_columns
+from .warm_start import CURVE_TOKENS, lru_hit_curve, preload, preload_all, trace_columns
 
 log = logging.getLogger("expert_stream")
 
@@ -105,14 +105,16 @@ def attach(
             continue  # stays a stock block; its lazy tensors load with the trunk
         streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode))
         streams[-1].scratch = scratch
-    if settings.prefetch:
+    if resolve_prefetch(settings.prefetch):
         _link_lookahead(model, streams, spec, top_k, settings)
-    warm_bytes = 0
+    full = [s for s in streams if s.cache.num_slots == s.cache.num_experts]
+    warm_bytes = preload_all(full)  # a slot for every expert: load them now, as stock would
     if columns is not None:
         by_path = dict(zip([path for path, _, _ in layouts], columns))
-        warm_bytes = preload(streams, trace, [by_path[s.name] for s in streams])
-        for s in streams:
-            s.cache.stats = LayerStats()  # the counters describe serving, not the warm start
+        rest = [s for s in streams if s not in full]
+        warm_bytes += preload(rest, trace, [by_path[s.name] for s in rest])
+    for s in streams:
+        s.cache.stats = LayerStats()  # the counters describe serving, not loading
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",
         index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,

@@ -23,7 +23,8 @@ class StreamSettings:
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
     policy: str = "default"
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
-    prefetch: bool = True
+    # None: on, except on CUDA where it measured harmful (streaming/lookahead.py).
+    prefetch: Optional[bool] = None
     # At most this many speculative reads per layer per token.
     prefetch_per_layer: int = 4
     # Leave MoE layers whose experts all fit in their share of the budget as stock resident layers.
@@ -38,8 +39,9 @@ class StreamSettings:
     reader_threads: int = 4
     reader: str = "auto"
     cache_bypass: str = "auto"
-    # How misses reach the slots: "auto" (straight into slot memory where the backend allows it),
-    # "direct" (always), or "copy" (a staging buffer, then an MLX slice update).
+    # How misses reach the slots: "auto" (direct on CPU and Metal, staged on CUDA), "direct"
+    # (reader threads write slot memory), "staged" (host buffers, then one memcpy on the compute
+    # thread), or "copy" (host buffers, then an MLX scatter). See streaming/slots.py.
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
@@ -61,7 +63,7 @@ class StreamSettings:
             raise SettingsError("reader_threads must be >= 1")
         _check_choice("reader", self.reader, ("auto", "native", "python"))
         _check_choice("cache_bypass", self.cache_bypass, ("auto", "direct", "fadvise", "nocache", "none"))
-        _check_choice("slot_write", self.slot_write, ("auto", "direct", "copy"))
+        _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "copy"))
         if self.top_k_override is not None and self.top_k_override < 1:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:

@@ -40,6 +40,10 @@ class StreamedSwitch(nn.Module):
         stream = self.stream
         if stream.forced_hits:
             return self.inner(x, mx.remainder(indices, stream.cache.num_slots))
+        if stream.all_resident and stream.recorder is None:
+            stream.cache.stats.calls += 1
+            stream.cache.stats.resident_calls += 1
+            return self.inner(x, stream.device_slots(indices))
         stream.await_prefetch()
         single_token = indices.size == indices.shape[-1]
         look = stream.lookahead if single_token else None
@@ -67,13 +71,13 @@ class StreamedSwitch(nn.Module):
             look.issue(np.array(guess))
         if reads is None:
             stream.last_path = "resident"
-            return self.inner(x, stream.slot_indices(ids))
+            return self.inner(x, stream.device_slots(indices))
         if self.overlap and ids.size == ids.shape[-1] and missing.size < needed.size and not stock_sorts(indices.size):
             stream.last_path = "overlap"
             return self._overlapped(x, ids, missing, reads)
         stream.finish_reads(reads)
         stream.last_path = "resident"
-        return self.inner(x, stream.slot_indices(ids))
+        return self.inner(x, stream.device_slots(indices))
 
     def _overlapped(self, x, ids, missing, reads):
         """One token: compute its resident experts while the missing ones are read."""

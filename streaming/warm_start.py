@@ -87,3 +87,17 @@ def preload(streams, trace: RoutingTrace, columns: list[int]) -> int:
         if top.size:
             stream.finish_reads(stream.start_reads(top, protected=top))
     return sum(s.cache.stats.bytes_read for s in streams) - before
+
+
+def preload_all(streams) -> int:
+    """Read every expert of layers that have a slot for each (all batches in flight at once)."""
+    pending = []
+    for stream in streams:
+        everything = np.arange(stream.cache.num_experts)
+        pending.append((stream, stream.start_reads(everything, protected=everything)))
+    total = 0
+    for stream, reads in pending:
+        before = stream.cache.stats.bytes_read
+        stream.finish_reads(reads)
+        total += stream.cache.stats.bytes_read - before
+    return total

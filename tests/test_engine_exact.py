@@ -58,3 +58,12 @@ def test_greedy_generation_identical(checkpoints):
     b = mlx_lm.generate(streamed, tokenizer, prompt, max_tokens=24)
     assert a == b and len(a) > 0
     handle.close()
+
+
+@pytest.mark.parametrize("slot_write", ["staged", "copy"])
+def test_staged_slot_writes_are_exact(checkpoints, slot_write):
+    """The staging paths (CUDA's default, and the portable MLX scatter)."""
+    path = checkpoints("qwen3_moe")
+    stock, streamed, handle = load_pair(path, slots=6, slot_write=slot_write)
+    assert_same_logits(stock, streamed, prompt_ids(48, seed=7), decode_steps=10)
+    handle.close()

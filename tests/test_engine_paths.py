@@ -33,10 +33,10 @@ def _streamed_layers(model):
     return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitch)][::-1]
 
 
-@pytest.mark.parametrize("bits", [4, 0])
-def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits):
+@pytest.mark.parametrize("bits, slot_write", [(4, "direct"), (0, "direct"), (4, "copy")])
+def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits, slot_write):
     path = checkpoints("qwen3_moe", bits=bits)
-    stock, streamed, handle = load_pair(path, prefetch=False)
+    stock, streamed, handle = load_pair(path, prefetch=False, slot_write=slot_write)
     for tokens, expect_sorted in ((48, True), (1, False)):  # prefill (sweep), decode
         x = prompt_ids(tokens)
         kernel_calls.clear()
@@ -49,9 +49,10 @@ def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits):
     handle.close()
 
 
-def test_decode_overlaps_hits_with_reads(checkpoints):
+@pytest.mark.parametrize("slot_write", ["direct", "staged", "copy"])
+def test_decode_overlaps_hits_with_reads(checkpoints, slot_write):
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path, slots=6, prefetch=False)
+    stock, streamed, handle = load_pair(path, slots=6, prefetch=False, slot_write=slot_write)
     layers = _streamed_layers(streamed)
     paths = []
     c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)

@@ -10,7 +10,7 @@ import expert_stream
 from exactness import assert_same_logits, load_pair, prompt_ids
 from expert_stream.streaming.cache import ExpertCache
 from expert_stream.streaming.footprint import checkpoint_footprint
-from expert_stream.streaming.traces import load_trace, save_trace
+from expert_stream.streaming.traces import RoutingTrace, load_trace, save_trace
 from expert_stream.streaming.warm_start import lru_hit_curve, slots_from_curves
 
 
@@ -71,11 +71,10 @@ def test_record_then_warm_start(checkpoints, tmp_path):
 
 def test_warm_start_from_another_model_is_ignored(checkpoints, tmp_path):
     path = checkpoints("qwen3_moe", layers=3, experts=32, top_k=4)
+    ids = np.arange(4 * 2 * 4, dtype=np.int16).reshape(4, 2, 4) % 32
     other = save_trace(
         tmp_path / "other.npz",
-        __import__("expert_stream.streaming.traces", fromlist=["RoutingTrace"]).RoutingTrace(
-            ids=np.zeros((4, 2, 4), dtype=np.int16), layer_ids=np.array([10, 11], dtype=np.int16)
-        ),
+        RoutingTrace(ids=ids, layer_ids=np.array([10, 11], dtype=np.int16), num_experts=32),
     )
     fp = checkpoint_footprint(path)
     _, _, handle = expert_stream.load(path, budget_gib=fp.budget_gib_for_slots(8), warm_start=str(other))

@@ -1,0 +1,147 @@
+"""Server commands: `serve` and `mlx-openai-server` (mlx-openai-server with the plugin),
+`mlx-lm-server`, `demo`, `plan` and `status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+
+from expert_stream.streaming.errors import ExpertStreamError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="start mlx-openai-server on a config with expert_stream blocks",
+        description="Start mlx-openai-server (multi-model mode) on FILE with expert streaming. Flags after "
+                    "FILE go to the host's `launch` (--host, --port and --log-level go into the config's "
+                    "`server:` section). Tested with mlx-openai-server 1.6.3.")
+    p.add_argument("--config", required=True, help="the host's YAML config with expert_stream blocks")
+    p.set_defaults(func=run_serve)
+    _pass_unknown_flags(p, "flags for mlx-openai-server launch")
+
+    p = sub.add_parser(
+        "mlx-openai-server", help="mlx-openai-server's own command line, with the plugin",
+        description="`expert-stream mlx-openai-server launch --config FILE ...` is `serve`; any other command "
+                    "line runs the host unchanged.")
+    p.set_defaults(func=run_openai_passthrough)
+    _pass_unknown_flags(p, "mlx-openai-server's command line")
+
+    p = sub.add_parser(
+        "mlx-lm-server", help="start mlx_lm.server with models from a YAML file",
+        description="Start mlx_lm.server with the models of a small YAML file (models: [{model_path, "
+                    "served_model_name, expert_stream: {...}}]); flags after `--` go to mlx_lm.server.")
+    p.add_argument("--config", required=True, help="models YAML")
+    p.set_defaults(func=run_mlx_lm_server)
+    _pass_unknown_flags(p, "mlx_lm.server flags (--host, --port, ...)")
+
+    from expert_stream.plugin.cli import demo_command, plan_command
+
+    demo_command.register(sub)
+    plan_command.register(sub)
+
+    p = sub.add_parser("status", help="ask a running server (started through expert-stream) for its status")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.add_argument("--reload", action="store_true", help="ask it to reload its config first")
+    p.set_defaults(func=run_status)
+
+
+def _pass_unknown_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """Arguments this parser does not know go to the host (`args.host_args`) instead of being an
+    error: argparse's REMAINDER cannot take a leading `--flag`."""
+    parse = parser.parse_known_args
+    parser.epilog = f"Other arguments: {what}."
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, extras = parse(args, namespace)
+        namespace.host_args = getattr(namespace, "host_args", None) or []
+        namespace.host_args += extras
+        return namespace, []
+
+    parser.parse_known_args = parse_known_args
+
+
+def _host(name: str):
+    from expert_stream.plugin import plugins
+
+    hosts = plugins.hosts()
+    if name not in hosts:
+        raise ExpertStreamError(f"no host adapter named {name!r} is registered (have: {', '.join(sorted(hosts))})")
+    return hosts[name]
+
+
+def _strip_dashes(args: list[str]) -> list[str]:
+    return args[1:] if args[:1] == ["--"] else args
+
+
+def run_serve(args) -> int:
+    return _host("mlx-openai-server").serve(args.config, _strip_dashes(args.host_args))
+
+
+def run_openai_passthrough(args) -> int:
+    host_args = _strip_dashes(args.host_args)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    known, rest = parser.parse_known_args(host_args)
+    host = _host("mlx-openai-server")
+    if known.config and (not rest or rest[0] == "launch" or rest[0].startswith("-")):
+        return host.serve(known.config, [a for a in rest if a != "launch"])
+    host.version()
+    from app.main import main as host_main
+
+    sys.argv = ["mlx-openai-server", *host_args]
+    host_main()
+    return 0
+
+
+def run_mlx_lm_server(args) -> int:
+    return _host("mlx_lm.server").serve(args.config, _strip_dashes(args.host_args))
+
+
+def fetch_json(url: str, method: str = "GET", timeout: float = 30.0) -> dict:
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return json.loads(exc.read())
+        except ValueError:
+            raise ExpertStreamError(f"{url}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ExpertStreamError(f"{url}: no answer ({getattr(exc, 'reason', exc)}); is the server running "
+                                "through `expert-stream serve` / `mlx-lm-server`?") from None
+
+
+def run_status(args) -> int:
+    base = args.url.rstrip("/")
+    if args.reload:
+        result = fetch_json(base + "/expert-stream/reload", method="POST", timeout=3600)
+        print("reload:", "ok" if result.get("ok") else f"refused: {result.get('error')}")
+    status = fetch_json(base + "/expert-stream/status")
+    if args.json:
+        json.dump(status, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"config:   {status['config_path']} ({status['host']} {status['host_version']})")
+    print(f"applied:  {(status.get('applied_hash') or '-')[:12]}  reloads: {status['reloads']}"
+          + ("  (reloading now)" if status.get("reloading") else ""))
+    if status.get("last_error"):
+        print(f"error:    {status['last_error']}")
+    for model_id, model in status["models"].items():
+        line = f"  {model_id}: {model['state']}"
+        if model["streamed"]:
+            line += f", streamed, budget {model['settings']['budget_gib']} GiB"
+            totals = (model.get("stats") or {}).get("totals")
+            if totals:
+                line += (f", hit rate {totals['hit_rate']:.1%}, {totals['misses']} misses, "
+                         f"{totals['bytes_read'] / 1e9:.3f} GB read")
+        else:
+            line += ", stock"
+        if model.get("error"):
+            line += f" ({model['error']})"
+        print(line)
+    return 0

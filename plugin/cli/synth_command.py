@@ -1,0 +1,120 @@
+"""`expert-stream synth`: write a random-weight MoE checkpoint of an mlx-lm architecture, laid
+out as a converted mlx-community model (for tests, demos and benchmarks, e.g. one larger than
+this machine's memory with --target-gb)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+GB = 1e9
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "synth",
+        help="write a synthetic (random-weight) MoE checkpoint",
+        description="Write a random-weight MoE checkpoint that stock mlx_lm.load loads. Sizes "
+        "default to a tiny model of the architecture; --target-gb picks the layer count.",
+    )
+    # not argparse choices: listing them would import mlx-lm's models for every `--help`
+    p.add_argument("--arch", default="qwen3_moe",
+                   help="mlx-lm model_type: qwen3_moe (default), qwen3_next, qwen3_5_moe, "
+                   "deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, nemotron_h, kimi_linear, "
+                   "minimax, laguna (mlx-lm >= 0.32), ...")
+    p.add_argument("--out", required=True, help="output folder (reused if it already holds the same checkpoint)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--experts", type=int, help="routed experts per MoE layer")
+    p.add_argument("--top-k", type=int, help="experts per token")
+    p.add_argument("--hidden", type=int, help="hidden size")
+    p.add_argument("--moe-hidden", type=int, help="intermediate size of one expert")
+    p.add_argument("--bits", help="affine bits (2-8), 0 for unquantized, or mxfp4 "
+                   "(default: 4-bit affine; mxfp4 for gpt_oss)")
+    p.add_argument("--no-quantize", action="store_true", help="same as --bits 0")
+    p.add_argument("--group-size", type=int, help="quantization group size (default 64; 32 for mxfp4)")
+    p.add_argument("--mixed-bits", help="expert blocks of some layers at other bits: "
+                   "LAYER:BITS,... (e.g. 0:8,2:8) or one width B for every odd layer")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the unquantized tensors (default bfloat16, as real exports)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, help="tokenizer and embedding size (default 1024)")
+    p.add_argument("--shard-size-mb", type=int, default=2048)
+    p.add_argument("--vlm-layout", action="store_true",
+                   help="mlx-vlm text-export layout (language_model. names) where stock mlx-lm loads it")
+    p.add_argument("--target-gb", type=float,
+                   help="pick the layer count so the checkpoint holds at least this many GB")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                   help="set a config field, e.g. --override num_attention_heads=32 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the sizes without writing")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_synth)
+
+
+def _overrides(items: list[str]) -> dict:
+    from expert_stream.streaming.synthetic.errors import SyntheticError
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SyntheticError(f"--override {item!r}: expected KEY=JSON, e.g. head_dim=128")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value  # a bare string
+    return out
+
+
+def run_synth(args) -> int:
+    from expert_stream.streaming.synthetic import (
+        estimate_size,
+        layers_for_target,
+        make_checkpoint,
+    )
+    from expert_stream.streaming.synthetic.errors import SyntheticError
+
+    kwargs = dict(
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        moe_hidden=args.moe_hidden,
+        bits=0 if args.no_quantize else args.bits,
+        group_size=args.group_size,
+        mixed_bits=args.mixed_bits,
+        dtype=args.dtype,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        shard_size_mb=args.shard_size_mb,
+        vlm_layout=args.vlm_layout,
+        overrides=_overrides(args.override),
+    )
+    if args.target_gb is not None:
+        if args.layers is not None:
+            raise SyntheticError("give --layers or --target-gb, not both")
+        kwargs["layers"] = layers_for_target(args.arch, int(args.target_gb * GB), **kwargs)
+    sizes = estimate_size(args.arch, **kwargs)
+    path = None
+    seconds = 0.0
+    if not args.dry_run:
+        t0 = time.perf_counter()
+        path = make_checkpoint(args.out, args.arch, progress=not args.json, **kwargs)
+        seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"path": str(path) if path else None, "arch": args.arch,
+                          "seconds": round(seconds, 2), **sizes}, indent=2))
+        return 0
+    print(f"checkpoint: {path if path else '(dry run, nothing written)'}")
+    print(f"arch:       {args.arch}, {sizes['layers']} layers, {sizes['moe_layers']} MoE layers "
+          f"x {sizes['experts']} experts")
+    print(f"total:      {_size(sizes['total_bytes'])} in {sizes['n_shards']} shard(s)")
+    print(f"experts:    {_size(sizes['expert_bytes'])} "
+          f"({_size(sizes['bytes_per_expert'])} per expert per layer)")
+    print(f"trunk:      {_size(sizes['trunk_bytes'])}")
+    if path:
+        print(f"written in: {seconds:.1f} s")
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:.3f} GB" if n >= 0.1 * GB else f"{n / 1e6:.3f} MB"

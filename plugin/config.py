@@ -1,0 +1,360 @@
+"""The host config with the plugin's blocks: parse, validate all of it, admit it to memory.
+
+One YAML file serves both hosts. Top level: the host's own keys, `models:` (a list of entries)
+and our `expert_stream:` block; each model entry may carry its own `expert_stream:` block
+(`true` or `{}` takes the top-level defaults). Validation is all or nothing: `load_host_config`
+returns a complete `HostConfig` or raises ConfigError naming the file, the entry and the key.
+Nothing here imports a host: the adapter passes what it knows (`HostSchema`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from expert_stream.streaming.errors import ExpertStreamError
+from expert_stream.streaming.settings import GIB, StreamSettings
+
+log = logging.getLogger("expert_stream")
+
+KEY = "expert_stream"
+# A streamed model waits on the SSD: prefill of a long prompt can take minutes, and the host's
+# queue_timeout is also its per-chunk stream timeout. One hour, unless the entry sets its own.
+STREAMED_QUEUE_TIMEOUT_S = 3600
+# Memory kept free beside each model for its KV cache, MLX's buffer cache and the process.
+DEFAULT_HEADROOM_GIB = 1.0
+
+
+class ConfigError(ExpertStreamError):
+    """A host config file the plugin refuses; the message names the file, entry and key."""
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    """The top-level `expert_stream:` block."""
+
+    enabled: bool = True
+    watch: bool = False
+    poll_seconds: float = 1.0
+    debounce_seconds: float = 0.5
+    drain_timeout_s: float = 600.0  # in-flight requests get this long before they are cut off
+    queue_timeout: int = STREAMED_QUEUE_TIMEOUT_S
+    memory_gib: Optional[float] = None  # None: the machine's RAM
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    reload_endpoint: bool = True
+    defaults: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostSchema:
+    """What the config parser must know about a host: its name and version (for messages), the
+    keys a model entry may have, the key that holds the served id, and what streamed entries
+    get (a long queue timeout unless set, one request at a time)."""
+
+    name: str
+    version: str
+    entry_keys: frozenset
+    id_key: str  # the key this host version reads the served id from
+    id_aliases: tuple = ("served_model_name", "model_id")
+    queue_timeout_key: Optional[str] = None  # the entry key for the host's request timeout
+    forced_entry_values: dict = field(default_factory=dict)
+    top_level_keys: Optional[frozenset] = None  # None: any (the host ignores unknown top-level keys)
+    streamed_entry_check: Optional[Callable[[dict], Optional[str]]] = None  # entry -> why it cannot stream
+
+
+@dataclass
+class ModelEntry:
+    index: int
+    model_id: str
+    model_path: str
+    host_entry: dict  # what the host sees: our block removed, host defaults applied
+    settings: Optional[StreamSettings]  # None: not streamed, the host loads it as always
+    resident_bytes: int  # memory admission estimate (0 when the size is unknown)
+    footprint: Any = None  # streaming.footprint.Footprint for streamed entries
+
+    @property
+    def streamed(self) -> bool:
+        return self.settings is not None
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes when anything the served model depends on changes (the reload diff)."""
+        payload = {"host": self.host_entry, "stream": self.settings.to_dict() if self.settings else None}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def resolved_path(self) -> Path:
+        return Path(self.model_path).expanduser().resolve()
+
+
+@dataclass
+class HostConfig:
+    path: Path
+    text_hash: str
+    options: PluginOptions
+    top_level: dict  # the host's own top-level keys (our block removed), `models` excluded
+    entries: list[ModelEntry]
+    schema: HostSchema
+
+    def host_document(self) -> dict:
+        return {**self.top_level, "models": [e.host_entry for e in self.entries]}
+
+    def host_yaml(self) -> str:
+        return yaml.safe_dump(self.host_document(), sort_keys=False)
+
+    def by_id(self) -> dict[str, ModelEntry]:
+        return {e.model_id: e for e in self.entries}
+
+    def streamed_settings(self) -> dict[str, dict]:
+        """Served id -> settings dict, for the processes that load the models."""
+        return {e.model_id: e.settings.to_dict() for e in self.entries if e.streamed}
+
+
+def read_yaml(path: Path) -> tuple[dict, str]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the config must be a YAML mapping with a `models:` list")
+    return doc, hashlib.sha256(raw).hexdigest()
+
+
+def parse_options(path: Path, block: Any) -> PluginOptions:
+    where = f"{path}: {KEY}"
+    if block is None or block is True:
+        return PluginOptions()
+    if block is False:
+        return PluginOptions(enabled=False)
+    if not isinstance(block, dict):
+        raise ConfigError(f"{where}: must be a mapping (enabled, watch, defaults, ...), got {block!r}")
+    fields = {f.name: f for f in dataclasses.fields(PluginOptions)}
+    unknown = sorted(set(block) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    for name, value in block.items():
+        _check_type(where, name, value, fields[name].type)
+    if "defaults" in block:
+        unknown = sorted(set(block["defaults"]) - {f.name for f in dataclasses.fields(StreamSettings)})
+        if unknown:
+            raise ConfigError(f"{where}.defaults: unknown setting(s) {', '.join(unknown)}; known: "
+                              + ", ".join(f.name for f in dataclasses.fields(StreamSettings)))
+    return PluginOptions(**block)
+
+
+def _check_type(where: str, name: str, value: Any, annotation: str) -> None:
+    kind = str(annotation).replace("Optional[", "").rstrip("]")
+    if value is None and "Optional" in str(annotation):
+        return
+    allowed = {"bool": (bool,), "float": (int, float), "int": (int,), "dict": (dict,)}.get(kind)
+    if allowed and (isinstance(value, bool) and kind != "bool" or not isinstance(value, allowed)):
+        raise ConfigError(f"{where}.{name}: must be {kind}, got {type(value).__name__} {value!r}")
+
+
+def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool = True,
+                     memory_bytes: Optional[int] = None) -> HostConfig:
+    """Parse and validate the whole file. check_models=False skips what reads the checkpoints
+    (the footprint and MoE checks, memory admission): for tests of the schema alone."""
+    path = Path(path).expanduser().absolute()
+    doc, text_hash = read_yaml(path)
+    options = parse_options(path, doc.get(KEY))
+    top_level = {k: v for k, v in doc.items() if k not in (KEY, "models")}
+    if schema.top_level_keys is not None:
+        unknown = sorted(set(top_level) - schema.top_level_keys)
+        if unknown:
+            raise ConfigError(f"{path}: unknown top-level key(s) {', '.join(unknown)} for {schema.name}; "
+                              f"known: {', '.join(sorted(schema.top_level_keys | {KEY, 'models'}))}")
+    models = doc.get("models")
+    if not isinstance(models, list) or not models:
+        raise ConfigError(f"{path}: `models:` must be a non-empty list of model entries")
+    entries: list[ModelEntry] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(models):
+        entry = _parse_entry(path, i, raw, schema, options, check_models)
+        if entry.model_id in seen:
+            raise ConfigError(f"{path}: models[{i}] and models[{seen[entry.model_id]}] are both served as "
+                              f"{entry.model_id!r}; give each a unique served_model_name")
+        seen[entry.model_id] = i
+        entries.append(entry)
+    config = HostConfig(path, text_hash, options, top_level, entries, schema)
+    if check_models:
+        admit(config, memory_bytes)
+    return config
+
+
+def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: PluginOptions,
+                 check_models: bool) -> ModelEntry:
+    where = f"{path}: models[{i}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: a model entry must be a mapping with model_path, got {raw!r}")
+    if "model_path" not in raw or not isinstance(raw["model_path"], str):
+        raise ConfigError(f"{where}: model_path (a string) is required")
+    host_entry = {k: v for k, v in raw.items() if k != KEY}
+    ids = [k for k in schema.id_aliases if k in host_entry]
+    if len(ids) > 1:
+        raise ConfigError(f"{where}: both {ids[0]} and {ids[1]} set; keep one")
+    model_id = host_entry.pop(ids[0]) if ids else raw["model_path"]
+    if not isinstance(model_id, str) or not model_id:
+        raise ConfigError(f"{where}: {ids[0]} must be a non-empty string")
+    where = f"{where} ({model_id})"
+    allowed = schema.entry_keys - set(schema.id_aliases)
+    unknown = sorted(set(host_entry) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} for {schema.name} {schema.version}; "
+                          f"known: {', '.join(sorted(allowed | {schema.id_key, KEY}))}")
+    host_entry[schema.id_key] = model_id
+    block = raw.get(KEY)
+    streamed = block not in (None, False) and options.enabled
+    if block is not None and not isinstance(block, (dict, bool)):
+        raise ConfigError(f"{where}.{KEY}: must be a mapping of settings (or true for the defaults), got {block!r}")
+    settings = None
+    if streamed:
+        problem = schema.streamed_entry_check(host_entry) if schema.streamed_entry_check else None
+        if problem:
+            raise ConfigError(f"{where}.{KEY}: {problem}")
+        values = {**options.defaults, **(block if isinstance(block, dict) else {})}
+        settings = _settings(where, values)
+        if schema.queue_timeout_key:
+            host_entry.setdefault(schema.queue_timeout_key, options.queue_timeout)
+        for key, value in schema.forced_entry_values.items():
+            if key in raw and raw[key] != value:
+                log.warning("%s: %s=%r ignored: streamed models serve one request at a time", where, key, raw[key])
+            host_entry[key] = value
+    elif block is not None and not options.enabled:
+        log.warning("%s: %s.enabled is false: this model loads stock, all of it in memory", where, KEY)
+    entry = ModelEntry(i, model_id, raw["model_path"], host_entry, settings, 0)
+    if check_models:
+        _check_model(where, entry)
+    return entry
+
+
+def _settings(where: str, values: dict) -> StreamSettings:
+    from expert_stream.streaming.errors import SettingsError
+
+    # PyYAML reads `5e-05` (no dot) as a string; for a float setting that is surely a number.
+    floats = {f.name for f in dataclasses.fields(StreamSettings) if "float" in str(f.type)}
+    for key in floats & set(values):
+        if isinstance(values[key], str):
+            try:
+                values[key] = float(values[key])
+            except ValueError:
+                pass
+    try:
+        return StreamSettings.from_mapping(values, where=f"{where}.{KEY}")
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_model(where: str, entry: ModelEntry) -> None:
+    """Read the checkpoint's headers: path, MoE-ness, the smallest budget, memory estimate."""
+    from expert_stream.plugin import plugins
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.errors import SettingsError
+
+    model_dir = Path(entry.model_path).expanduser()
+    if not entry.streamed:
+        if model_dir.is_dir():
+            try:
+                entry.resident_bytes = CheckpointIndex(model_dir).total_bytes()
+            except ExpertStreamError:
+                entry.resident_bytes = 0  # the host will say what is wrong with it
+        return
+    if not model_dir.is_dir():
+        raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder; a streamed model "
+                          "must be a local MLX checkpoint (download it first)")
+    try:
+        index = CheckpointIndex(model_dir)
+    except ExpertStreamError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    pm = plugins.get_plugin_manager()
+    if not pm.hook.detect_moe(index=index):
+        raise ConfigError(f"{where}: {model_dir} (model_type {index.model_type!r}) is not an MoE checkpoint: "
+                          f"there are no routed experts to stream; remove its {KEY} block to serve it as the "
+                          "host would")
+    entry.footprint = footprint(model_dir, plugins.architectures(pm))
+    fp = entry.footprint
+    if entry.settings.budget_bytes < fp.min_budget_bytes:
+        raise ConfigError(f"{where}.{KEY}.budget_gib: {entry.settings.budget_gib} GiB cannot hold one token's "
+                          f"experts ({fp.top_k} per layer in {len(fp.layer_expert_bytes)} MoE layers); the "
+                          f"smallest budget is {fp.min_budget_gib:.4f} GiB")
+    try:
+        pm.hook.validate_settings(settings=entry.settings, model_path=str(model_dir), where=f"{where}.{KEY}")
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+    entry.resident_bytes = fp.trunk_bytes + min(entry.settings.budget_bytes, fp.expert_bytes)
+
+
+_FOOTPRINTS: dict = {}
+
+
+def footprint(model_dir: Path, architectures):
+    """The engine's footprint (headers and a lazily built model), cached by the files' identity
+    so a reload does not rebuild it for unchanged checkpoints."""
+    from expert_stream.streaming.errors import NotMoEError
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    key = (str(model_dir.resolve()), _dir_identity(model_dir))
+    if key not in _FOOTPRINTS:
+        try:
+            _FOOTPRINTS[key] = checkpoint_footprint(model_dir, architectures)
+        except NotMoEError as exc:
+            raise ConfigError(f"{exc}; remove its {KEY} block to serve it as the host would") from None
+        except ExpertStreamError as exc:
+            raise ConfigError(str(exc)) from None
+    return _FOOTPRINTS[key]
+
+
+def _dir_identity(model_dir: Path) -> tuple:
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                        for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors")))
+
+
+def memory_limit(options: PluginOptions, memory_bytes: Optional[int] = None) -> int:
+    if options.memory_gib is not None:
+        return int(options.memory_gib * GIB)
+    if memory_bytes is not None:
+        return memory_bytes
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def admit(config: HostConfig, memory_bytes: Optional[int] = None) -> None:
+    """Every model's trunk + budget (or its full size, if not streamed) + headroom must fit:
+    the first entry that would not is refused, by name, before anything loads."""
+    limit = memory_limit(config.options, memory_bytes)
+    headroom = int(config.options.headroom_gib * GIB)
+    used = 0
+    for entry in config.entries:
+        need = entry.resident_bytes + headroom
+        if used + need > limit:
+            what = ("trunk + budget" if entry.streamed else "the whole model (not streamed)")
+            hint = ("lower its budget_gib or remove a model" if entry.streamed
+                    else "stream it with an expert_stream block, or remove a model")
+            raise ConfigError(
+                f"{config.path}: models[{entry.index}] ({entry.model_id}) does not fit in memory: it needs "
+                f"{need / GIB:.2f} GiB ({what} + {config.options.headroom_gib} GiB headroom) and the models "
+                f"before it take {used / GIB:.2f} GiB of {limit / GIB:.2f} GiB; {hint}"
+            )
+        used += need
+
+
+def diff(old: Optional[HostConfig], new: HostConfig) -> tuple[list[str], list[str], list[str]]:
+    """(removed, changed, added) served ids, each in file order."""
+    before = old.by_id() if old else {}
+    after = new.by_id()
+    removed = [i for i in before if i not in after]
+    changed = [i for i in after if i in before and before[i].fingerprint != after[i].fingerprint]
+    added = [i for i in after if i not in before]
+    return removed, changed, added

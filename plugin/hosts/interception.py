@@ -1,0 +1,140 @@
+"""The one place a host's model load is changed: `mlx_lm.utils.load_model`.
+
+Both hosts load through `mlx_lm.utils.load` (`mlx_lm.load`), which calls the module-level
+`load_model`. While a target is set for a checkpoint folder, a call for that folder builds the
+model lazily, swaps its expert blocks for streamed ones (`streaming.loader.attach`) before
+anything is evaluated, then evaluates the trunk if the host asked for an eager load. A call for
+any other folder (a dense model, a draft model) runs the stock function untouched."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("expert_stream")
+
+
+@dataclass(frozen=True)
+class Target:
+    model_id: str
+    settings: dict  # StreamSettings.to_dict()
+
+
+_lock = threading.RLock()
+_targets: dict[str, Target] = {}  # resolved checkpoint folder -> what to stream it with
+_handles: dict[str, object] = {}  # model_id -> StreamHandle of the loaded model
+_original = None
+_signature = None
+_busy = threading.local()
+
+
+def _key(path) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def check() -> list[str]:
+    """What is wrong with the mlx-lm function this module patches (empty when it fits)."""
+    import mlx_lm
+    import mlx_lm.utils
+
+    problems = []
+    fn = getattr(mlx_lm.utils, "load_model", None)
+    if fn is None:
+        return [f"mlx_lm.utils.load_model is missing (mlx-lm {mlx_lm.__version__})"]
+    params = inspect.signature(_original or fn).parameters
+    for name in ("model_path", "lazy"):
+        if name not in params:
+            problems.append(f"mlx_lm.utils.load_model has no `{name}` parameter (mlx-lm {mlx_lm.__version__})")
+    return problems
+
+
+def install() -> None:
+    """Patch `mlx_lm.utils.load_model` (once per process)."""
+    global _original, _signature
+    import mlx_lm.utils
+
+    with _lock:
+        if _original is not None:
+            return
+        problems = check()
+        if problems:
+            from expert_stream.plugin.hosts.base import HostError
+
+            raise HostError("; ".join(problems) + ": this mlx-lm is not supported by expert-stream")
+        _original = mlx_lm.utils.load_model
+        _signature = inspect.signature(_original)
+        mlx_lm.utils.load_model = _load_model
+
+
+def set_targets(targets: dict) -> None:
+    """Replace the targets: {checkpoint folder: Target}."""
+    with _lock:
+        _targets.clear()
+        _targets.update({_key(path): target for path, target in targets.items()})
+
+
+def handles() -> dict:
+    with _lock:
+        return dict(_handles)
+
+
+def forget(model_id: str) -> None:
+    """Close and drop the handle of an unloaded model."""
+    with _lock:
+        handle = _handles.pop(model_id, None)
+    if handle is not None:
+        from expert_stream.plugin import plugins
+
+        plugins.get_plugin_manager().hook.model_unloading(
+            model_id=model_id, model_path=str(handle.model_path), handle=handle)
+        handle.close()
+
+
+def stats() -> dict:
+    """model_id -> handle.stats() for every streamed model this process loaded."""
+    return {model_id: handle.stats() for model_id, handle in handles().items()}
+
+
+def _load_model(*args, **kwargs):
+    bound = _signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    with _lock:
+        target = None if getattr(_busy, "on", False) else _targets.get(_key(bound.arguments["model_path"]))
+    if target is None:
+        return _original(*args, **kwargs)
+    return _load_streamed(bound, target)
+
+
+def _load_streamed(bound, target: Target):
+    import mlx.core as mx
+
+    from expert_stream.plugin import plugins
+    from expert_stream.streaming.loader import attach
+    from expert_stream.streaming.settings import StreamSettings
+
+    model_path = Path(bound.arguments["model_path"])
+    eager = not bound.arguments["lazy"]
+    bound.arguments["lazy"] = True  # expert tensors must never be evaluated
+    settings = StreamSettings.from_mapping(target.settings, where=f"{target.model_id}.expert_stream")
+    pm = plugins.get_plugin_manager()
+    _busy.on = True
+    try:
+        model, config = _original(*bound.args, **bound.kwargs)
+        handle = attach(model, model_path, settings, plugins.architectures(pm))
+        if eager:
+            mx.eval(model.parameters())  # the trunk; the streamed experts are slots, not weights
+    finally:
+        _busy.on = False
+    old = None
+    with _lock:
+        old = _handles.pop(target.model_id, None)
+        _handles[target.model_id] = handle
+    if old is not None:
+        old.close()
+    log.info("expert-stream: %s streams %s with a %.3f GiB budget", target.model_id, model_path,
+             settings.budget_gib)
+    pm.hook.model_loaded(model_id=target.model_id, model_path=str(model_path), handle=handle)
+    return model, config

@@ -1,0 +1,102 @@
+"""Hot reload, the host-independent part: noticing that the config file changed, and keeping
+the record the status endpoint reports. Applying a reload is the host adapter's job."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+class FileWatcher:
+    """Polls a file's (mtime, size, inode); reports a change once the file has stayed the same
+    for `debounce` seconds, so an editor's write-rename-chmod sequence is one change. The caller
+    then compares the content hash, so a touch without an edit changes nothing."""
+
+    def __init__(self, path: Path, debounce: float = 0.5):
+        self.path = Path(path)
+        self.debounce = debounce
+        self._seen = self._stat()
+        self._changed_at: Optional[float] = None
+
+    def _stat(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None  # mid-rename or deleted: wait for it to come back
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def poll(self, now: Optional[float] = None) -> bool:
+        now = time.monotonic() if now is None else now
+        current = self._stat()
+        if current != self._seen:
+            self._seen = current
+            self._changed_at = now
+            return False
+        if current is not None and self._changed_at is not None and now - self._changed_at >= self.debounce:
+            self._changed_at = None
+            return True
+        return False
+
+
+@dataclass
+class ModelState:
+    model_id: str
+    model_path: str
+    streamed: bool
+    state: str = "loading"  # loading | ready | draining | error
+    error: Optional[str] = None
+    settings: Optional[dict] = None
+    loaded_at: Optional[float] = None
+    load_seconds: Optional[float] = None
+    stats: Optional[dict] = None  # last cache stats the serving process reported
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ReloadRecord:
+    """What the status endpoint reports about the config and its reloads."""
+
+    config_path: str
+    host: str
+    host_version: str
+    applied_hash: Optional[str] = None
+    applied_at: Optional[float] = None
+    last_error: Optional[str] = None
+    last_error_at: Optional[float] = None
+    failed_hash: Optional[str] = None  # an invalid file is not retried until it changes again
+    reloads: int = 0
+    last_reload: Optional[dict] = None  # {reason, removed, changed, added, seconds, cut_off}
+    reloading: bool = False
+    warnings: list = field(default_factory=list)
+    models: dict = field(default_factory=dict)  # model_id -> ModelState
+
+    def fail(self, message: str, text_hash: Optional[str]) -> None:
+        self.last_error = message
+        self.last_error_at = time.time()
+        self.failed_hash = text_hash
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "models"}
+        out["models"] = {mid: m.as_dict() for mid, m in self.models.items()}
+        return out
+
+
+def file_hash(path: Path) -> Optional[str]:
+    import hashlib
+
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost", "::ffff:127.0.0.1"}
+
+
+def is_loopback(host: Optional[str]) -> bool:
+    return host in LOOPBACK or (host or "").startswith("127.")

@@ -1,0 +1,207 @@
+"""Replay a routing trace through an eviction policy, and Belady's optimum as the ceiling.
+
+The definition (it reproduces the reference table of ``shared/moe_traces/README.md``):
+
+- Every MoE layer has its own cache of ``C = max(top_k, round(share * num_experts))`` slots
+  (Python's round: half to even), empty at the start of the trace and carried across requests
+  (no reset at ``seq_start``).
+- Only decode tokens (``phase == 1``; every token when the trace has no phase) are replayed, one
+  at a time in trace order; prefill tokens neither touch the cache nor count (the engine's
+  prefill goes through its own expert-major sweep). ``include_prefill=True`` replays them too,
+  updating cache and policy state without counting them (not the reference definition).
+  Replayed token ``t`` (0, 1, ... over replayed tokens) is one policy step, ``step = t``; its
+  top-k experts are the step's accesses: a hit if resident before the step, else a miss.
+- Per step the policy sees ``on_access(experts, t)`` first (all of the token's experts in router
+  rank order, hits and misses), then, when the misses do not fit in the free slots,
+  ``choose_victims(resident, n, protected)`` with the token's own experts protected (pinned),
+  then ``on_evict`` per victim and ``on_insert`` per missed expert, in reverse rank order (so the
+  token's top expert is inserted last). Every miss is inserted (no bypass): after warm-up the
+  cache stays full.
+- Hit rate of a layer = hits / accesses over the replayed decode tokens.
+- The trace's hit rate is the unweighted mean of its layers' hit rates, in percent.
+- Belady: on eviction, the unprotected resident whose next access (over the replayed tokens) is
+  farthest in the future; never-used-again experts first (ties: lowest id).
+- LRU ties: `lru` stamps a call's experts in reverse of the order given (the first listed is the
+  most recent) and stamps an expert again when inserted, so this call's misses are more recent
+  than its hits. With the replay order above this reproduces the reference table to 0.05 points
+  (the tie order moves the batched traces' LRU by up to 0.3 points).
+
+The policy objects are the engine's own (``expert_stream.streaming.policy``), driven through
+exactly the interface the engine's cache calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .policy import EvictionPolicy, POLICIES, make_policy
+from .traces import RoutingTrace
+
+NEVER = 1 << 40   # "never used again"; times num_experts stays far below int64 overflow
+
+
+def capacity_for(share: float, num_experts: int, top_k: int) -> int:
+    """Slots per layer for a cache holding ``share`` of a layer's experts (at least top_k)."""
+    if share > 1.0 or share <= 0:
+        raise ValueError(f"capacity share must be in (0, 1], got {share}")
+    return int(min(num_experts, max(top_k, round(share * num_experts))))
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Offline optimum: evicts the expert whose next use is farthest. Needs the future, so it
+    is built from the exact step sequence the simulator will feed (``steps[s]`` = experts of
+    step s) and is not in the policy registry."""
+
+    name = "belady"
+
+    def __init__(self, num_experts: int, capacity: int, steps: np.ndarray):
+        super().__init__(num_experts, capacity)
+        steps = np.asarray(steps, dtype=np.int64)           # (S, K) distinct ids per row
+        S, K = steps.shape
+        flat = steps.ravel()
+        pos = np.repeat(np.arange(S, dtype=np.int64), K)
+        order = np.lexsort((pos, flat))                     # by expert, then time
+        nxt = np.full(flat.size, NEVER, dtype=np.int64)
+        same = flat[order[1:]] == flat[order[:-1]]
+        nxt[order[:-1][same]] = pos[order[1:][same]]
+        self.steps = steps
+        self.next_of_row = nxt.reshape(S, K)
+        self.next_use = np.full(num_experts, NEVER, dtype=np.int64)
+
+    def on_access(self, experts, step):
+        self.now = step
+        self.next_use[self.steps[step]] = self.next_of_row[step]
+
+    def choose_victims(self, resident, count, protected):
+        cand = resident[~protected]
+        # farthest next use first; ties (e.g. never used again) -> lowest id
+        key = -(self.next_use[cand] * self.num_experts) + cand
+        if count >= cand.size:
+            return cand
+        return cand[np.argpartition(key, count - 1)[:count]]
+
+
+@dataclass
+class LayerResult:
+    hits: int
+    accesses: int
+    misses_all: int          # misses over every token (prefill included)
+
+    @property
+    def hit_rate(self) -> float:
+        return 100.0 * self.hits / self.accesses if self.accesses else float("nan")
+
+
+def _distinct_rows(ids_l: np.ndarray) -> np.ndarray:
+    s = np.sort(ids_l, axis=1)
+    if ids_l.shape[1] > 1 and (s[:, 1:] == s[:, :-1]).any():
+        raise ValueError("a token routes to the same expert twice; the simulator expects "
+                         "distinct top-k ids per token")
+    return ids_l
+
+
+def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
+                   counted: np.ndarray | None = None, check: bool = False) -> LayerResult:
+    """Replay one layer's (tokens, top_k) expert ids through ``policy`` with ``capacity`` slots."""
+    rows = np.ascontiguousarray(_distinct_rows(np.asarray(ids_l)), dtype=np.int64)
+    T, K = rows.shape
+    E = policy.num_experts
+    if capacity < K:
+        raise ValueError(f"capacity {capacity} < top_k {K}: a token's experts must fit")
+    if counted is None:
+        counted = np.ones(T, dtype=bool)
+    counted_l = counted.tolist()
+    rows_l = rows.tolist()
+    resident = np.full(capacity, -1, dtype=np.int64)
+    slot_of = [-1] * E
+    free = list(range(capacity - 1, -1, -1))    # pop() gives slot 0 first
+    need = np.zeros(E, dtype=bool)
+    on_access, on_insert, on_evict = policy.on_access, policy.on_insert, policy.on_evict
+    choose = policy.choose_victims
+    hits = acc = misses_all = 0
+    for t in range(T):
+        row = rows_l[t]
+        miss = [e for e in row if slot_of[e] < 0]
+        nm = len(miss)
+        if counted_l[t]:
+            hits += K - nm
+            acc += K
+        misses_all += nm
+        rt = rows[t]
+        on_access(rt, t)
+        if not nm:
+            continue
+        if nm > len(free):
+            cnt = nm - len(free)
+            n = capacity - len(free)
+            res = resident if n == capacity else resident[np.array(
+                [s for s in range(capacity) if resident[s] >= 0], dtype=np.int64)]
+            need[rt] = True
+            prot = need[res]
+            need[rt] = False
+            victims = choose(res, cnt, prot)
+            vl = np.asarray(victims).tolist()
+            if check:
+                _check_victims(res, prot, cnt, vl)
+            for v in vl:
+                s = slot_of[v]
+                slot_of[v] = -1
+                resident[s] = -1
+                free.append(s)
+                on_evict(v)
+        for e in reversed(miss):
+            s = free.pop()
+            resident[s] = e
+            slot_of[e] = s
+            on_insert(e)
+    return LayerResult(hits, acc, misses_all)
+
+
+def _check_victims(resident, protected, count, victims):
+    allowed = set(resident[~protected].tolist())
+    if len(victims) != count or len(set(victims)) != count or not set(victims) <= allowed:
+        raise AssertionError(
+            f"policy returned victims {victims} for count={count}; allowed {sorted(allowed)}")
+
+
+def simulate(trace: RoutingTrace, policy: str | type | None, share: float,
+             layers=None, check: bool = False, include_prefill: bool = False) -> dict:
+    """Hit rate (%) of ``policy`` (a registry name, a class, or "belady") on ``trace``.
+
+    Returns {"hit_rate": mean over layers, "per_layer": [...], "capacity": C}."""
+    E, K = int(trace.num_experts), trace.top_k
+    C = capacity_for(share, E, K)
+    counted = trace.decode_mask()
+    if include_prefill:
+        replay = slice(None)
+    else:
+        replay, counted = counted, None
+    per_layer = []
+    for li in (range(trace.num_layers) if layers is None else layers):
+        ids_l = trace.ids[replay, li, :].astype(np.int64)
+        if policy == "belady":
+            pol = BeladyPolicy(E, C, ids_l)
+        elif isinstance(policy, str):
+            pol = make_policy(policy, E, C)
+        else:
+            pol = policy(E, C)
+        per_layer.append(simulate_layer(ids_l, pol, C, counted, check=check).hit_rate)
+    return {"hit_rate": float(np.mean(per_layer)), "per_layer": per_layer, "capacity": C}
+
+
+def evaluate(trace: RoutingTrace, share: float, policies=None, check: bool = False,
+             include_prefill: bool = False) -> dict:
+    """{policy name: hit rate %} for the given names (default: all registered) plus belady."""
+    names = list(POLICIES) if policies is None else list(policies)
+    if "belady" not in names:
+        names.append("belady")
+    return {n: simulate(trace, n, share, check=check, include_prefill=include_prefill)["hit_rate"]
+            for n in names}
+
+
+def gap_closed(policy_rate: float, lru_rate: float, belady_rate: float) -> float:
+    """Share (0..1) of the LRU-to-Belady gap a policy closes (nan when there is no gap)."""
+    gap = belady_rate - lru_rate
+    return (policy_rate - lru_rate) / gap if gap > 1e-9 else float("nan")

@@ -1,0 +1,202 @@
+"""Helpers for the plugin and server tests: tiny checkpoints, free ports, host processes.
+
+Kept out of conftest.py (the lead's); conftest can `from plugin_fixtures import *` later."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Engine settings every test config adds to its streamed entries.
+# The engine's "default" policy and lookahead from a non-loading thread were not working when these
+# tests were written (KeyError 'default'; "There is no Stream(cpu, 0) in current thread" when
+# mlx-openai-server generates on its worker thread); one place to drop these once they do.
+ENGINE_SETTINGS = {"policy": "lru", "prefetch": False}
+# A child model process of mlx-openai-server takes 10-60 s to import the host and load on 2 cores.
+START_TIMEOUT_S = 300
+MOE = dict(arch="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64, moe_hidden=64, bits=4,
+           dtype="float32", seed=0)
+
+
+def make_moe(root: Path, name: str = "moe", **overrides) -> Path:
+    from expert_stream.streaming.synthetic import make_checkpoint
+
+    return make_checkpoint(Path(root) / name, progress=False, **{**MOE, **overrides})
+
+
+def make_dense(root: Path, name: str = "dense", seed: int = 0) -> Path:
+    """A tiny qwen3 (dense) checkpoint: mlx-lm's own model class, random weights, the synthetic
+    tokenizer. What `models: - model_path: small-dense` is in the design's example."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    from expert_stream.streaming.synthetic.tokenizer import write_tokenizer
+
+    out = Path(root) / name
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True)
+    vocab = 512
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+              "vocab_size": vocab, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+              "tie_word_embeddings": True, "architectures": ["Qwen3ForCausalLM"]}
+    mx.random.seed(seed)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    ids = write_tokenizer(out, vocab)
+    config.update({"eos_token_id": ids.get("<|im_end|>", ids.get("<|endoftext|>"))} if isinstance(ids, dict) else {})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, payload: dict | None = None, method: str | None = None, timeout: float = 300):
+    data = json.dumps(payload).encode() if payload is not None else (b"" if method == "POST" else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            return exc.code, json.loads(body)
+        except ValueError:
+            return exc.code, {"raw": body.decode(errors="replace")}
+
+
+def chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 12) -> tuple[int, dict]:
+    return http_json(base + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens, "temperature": 0.0})
+
+
+def chat_text(base: str, model: str, prompt: str = "hello", max_tokens: int = 12) -> str:
+    status, body = chat(base, model, prompt, max_tokens)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def stream_chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 12, on_first=None):
+    """(text, chunks, error chunks) of a streaming chat completion, read line by line.
+    on_first() runs after the first content chunk arrives (while the request is in flight)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens, "temperature": 0.0, "stream": True}).encode()
+    request = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    text, chunks, errors, done = "", 0, [], False
+    with urllib.request.urlopen(request, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                errors.append(chunk)
+                continue
+            for choice in chunk.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    text += piece
+                    chunks += 1
+                    if chunks == 1 and on_first is not None:
+                        on_first()
+    return text, chunks, errors, done
+
+
+def stock_greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
+    """The same chat completion computed by stock mlx-lm in this process (greedy)."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(text)
+    return mlx_lm.generate(model, tokenizer, ids, max_tokens=max_tokens)
+
+
+class HostProcess:
+    """A host started through `expert-stream` (or bare), in its own process group."""
+
+    def __init__(self, argv: list[str], base: str, log_path: Path, cwd: Path):
+        self.base = base
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
+                                        env=env, start_new_session=True)
+        self.started = time.perf_counter()
+        self.ready_seconds: float | None = None
+
+    def wait_ready(self, path: str = "/v1/models", timeout: float = START_TIMEOUT_S) -> float:
+        while time.perf_counter() - self.started < timeout:
+            if self.process.poll() is not None:
+                raise AssertionError(f"host exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.base + path, timeout=2) as r:
+                    if r.status == 200:
+                        self.ready_seconds = time.perf_counter() - self.started
+                        return self.ready_seconds
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"host not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float = START_TIMEOUT_S) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def expert_stream_argv(*args: str) -> list[str]:
+    """The CLI as a fresh process (the console script's own entry, so spawned children import it)."""
+    return [sys.executable, "-c", "import sys; from expert_stream.plugin.cli import main; sys.exit(main())", *args]
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.5, what: str = "condition"):
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def needs_openai_server():
+    pytest.importorskip("app.server", reason="mlx-openai-server is not installed")

@@ -1,0 +1,334 @@
+"""Eviction policies, the trace simulator, Belady's optimum and the routing-trace format."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expert_stream.streaming.policy import DEFAULT, POLICIES, LRUPolicy, make_policy
+from expert_stream.streaming.policy_sim import (
+    BeladyPolicy, capacity_for, gap_closed, simulate, simulate_layer)
+from expert_stream.streaming.traces import RoutingTrace, TraceError, load_trace, save_trace
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "moe_traces"
+
+# shared/moe_traces/README.md: (LRU, Belady) hit % at 10 / 25 / 50 % capacity
+REFERENCE = {
+    "llama4_maverick_mmlu": {0.10: (73.5, 83.8), 0.25: (86.2, 93.1), 0.50: (95.1, 98.0)},
+    "qwen15_moe_gsm8k_vllm_batched": {0.10: (13.8, 26.3), 0.25: (30.8, 57.1), 0.50: (56.0, 80.2)},
+    "olmoe_gsm8k_layer0_vllm_batched": {0.10: (20.9, 20.9), 0.25: (36.9, 57.4), 0.50: (63.7, 82.5)},
+}
+
+
+def _shared(name: str) -> RoutingTrace:
+    path = SHARED / f"{name}.npz"
+    if not path.is_file():
+        pytest.skip(f"shared routing traces not found at {SHARED.resolve()} (needs the project's "
+                    f"shared/moe_traces folder next to the repository)")
+    return load_trace(path)
+
+
+def _random_rows(rng, T, E, K, skew=1.2):
+    p = 1.0 / np.arange(1, E + 1) ** skew
+    p /= p.sum()
+    return np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(T)]).astype(np.int64)
+
+
+# -- interface contract --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_contract_direct_calls(name):
+    rng = np.random.default_rng(0)
+    E, C = 40, 12
+    pol = make_policy(name, E, C)
+    resident = rng.choice(E, C, replace=False).astype(np.int64)
+    for e in resident:
+        pol.on_insert(int(e))
+    for step in range(300):
+        ex = rng.choice(E, rng.integers(1, 5), replace=False).astype(np.int64)
+        pol.on_access(ex, step)
+        protected = np.isin(resident, ex) | (rng.random(C) < 0.2)
+        free = int((~protected).sum())
+        if free == 0:
+            continue
+        count = int(rng.integers(1, free + 1))
+        before = resident.copy()
+        v = np.asarray(pol.choose_victims(resident, count, protected))
+        assert np.array_equal(resident, before), "choose_victims must not modify its input"
+        assert v.shape == (count,)
+        assert len(set(v.tolist())) == count
+        assert set(v.tolist()) <= set(resident[~protected].tolist())
+        # evict them and bring in others (some prefetched)
+        outside = np.setdiff1d(np.arange(E), resident)
+        new = rng.choice(outside, count, replace=False)
+        for old, nw in zip(v.tolist(), new.tolist()):
+            pol.on_evict(old)
+            resident[resident == old] = nw
+            pol.on_insert(nw, prefetched=bool(rng.random() < 0.3))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("E,K,C", [(16, 1, 4), (24, 4, 6), (32, 8, 8), (32, 8, 13), (10, 2, 10)])
+def test_contract_in_simulator(name, E, K, C):
+    rows = _random_rows(np.random.default_rng(E * 7 + K), 400, E, K)
+    res = simulate_layer(rows, make_policy(name, E, C), C, check=True)
+    assert 0 <= res.hits <= res.accesses == 400 * K
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_deterministic(name):
+    rows = _random_rows(np.random.default_rng(3), 500, 30, 3)
+    a = simulate_layer(rows, make_policy(name, 30, 8), 8)
+    b = simulate_layer(rows, make_policy(name, 30, 8), 8)
+    assert (a.hits, a.misses_all) == (b.hits, b.misses_all)
+
+
+def test_registry():
+    assert "lru" in POLICIES and "default" in POLICIES
+    assert POLICIES["default"] is POLICIES[DEFAULT]
+    assert isinstance(make_policy("lru", 8, 2), LRUPolicy)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("nope", 8, 2)
+
+
+# -- LRU exact behaviour -------------------------------------------------------------------
+
+def _replay_victims(rows, name, E, C):
+    """Simulate and record (step, victims) of every eviction."""
+    pol = make_policy(name, E, C)
+    log = []
+    inner = pol.choose_victims
+
+    def spy(resident, count, protected):
+        v = inner(resident, count, protected)
+        log.append((pol.clock, sorted(np.asarray(v).tolist())))
+        return v
+
+    pol.choose_victims = spy
+    res = simulate_layer(np.asarray(rows, dtype=np.int64), pol, C, check=True)
+    return res, [v for _, v in log]
+
+
+def test_lru_hand_trace_top1():
+    rows = [[0], [1], [2], [0], [3], [1], [4], [0], [3]]
+    res, victims = _replay_victims(rows, "lru", 5, 3)
+    # cache after each step: 0 | 0 1 | 0 1 2 | hit 0 | 3 evicts 1 | 1 evicts 2 | 4 evicts 0 |
+    # 0 evicts 3 | 3 evicts 1
+    assert victims == [[1], [2], [0], [3], [1]]
+    assert res.hits == 1 and res.misses_all == 8
+
+
+def test_lru_hand_trace_top2_pins_and_ties():
+    # C=4, top-2. Within a call the first-listed expert is the most recent, and the call's
+    # misses are more recent than its hits.
+    rows = [[0, 1], [2, 3], [4, 0], [5, 6], [1, 4]]
+    res, victims = _replay_victims(rows, "lru", 8, 4)
+    # step 2: needs 1 slot; 0 is pinned; LRU order 1 < 3 < 2 -> evict 1
+    # step 3: needs 2; cache {0,2,3,4}, recency 3 < 2 < 0 < 4 -> evict 3, 2
+    # step 4: cache {0,4,5,6}; 4 hits (pinned), 1 misses and needs a slot;
+    #         recency 0 < 6 < 5 -> evict 0
+    assert victims == [[1], [2, 3], [0]]
+    assert res.hits == 2           # 0 at step 2, 4 at step 4
+
+
+# -- Belady --------------------------------------------------------------------------------
+
+def _brute_force_min_misses(rows, C):
+    """Exact minimum misses over every eviction choice (demand paging, each row pinned)."""
+    states = {frozenset(): 0}
+    for row in rows:
+        need = frozenset(row)
+        nxt = {}
+        for s, m in states.items():
+            miss = need - s
+            over = len(s) + len(miss) - C
+            if over <= 0:
+                options = [s | need]
+            else:
+                options = [(s - frozenset(v)) | need
+                           for v in itertools.combinations(sorted(s - need), over)]
+            for o in options:
+                if nxt.get(o, 1 << 30) > m + len(miss):
+                    nxt[o] = m + len(miss)
+        states = nxt
+    return min(states.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_is_optimal_on_tiny_traces(seed):
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(4, 7))
+    K = int(rng.integers(1, 3))
+    C = int(rng.integers(K, min(E, K + 3)))
+    T = int(rng.integers(8, 14))
+    rows = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    res = simulate_layer(rows, BeladyPolicy(E, C, rows), C, check=True)
+    assert res.misses_all == _brute_force_min_misses(rows.tolist(), C)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_policy_beats_belady(name):
+    rows = _random_rows(np.random.default_rng(11), 600, 24, 3)
+    best = simulate_layer(rows, BeladyPolicy(24, 6, rows), 6).hits
+    assert simulate_layer(rows, make_policy(name, 24, 6), 6).hits <= best
+
+
+# -- the shared traces ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_simulator_reproduces_reference_table(name):
+    trace = _shared(name)
+    for share, (lru_ref, belady_ref) in REFERENCE[name].items():
+        lru = simulate(trace, "lru", share)["hit_rate"]
+        bel = simulate(trace, "belady", share)["hit_rate"]
+        assert abs(lru - lru_ref) <= 0.2, (name, share, "lru", lru, lru_ref)
+        assert abs(bel - belady_ref) <= 0.2, (name, share, "belady", bel, belady_ref)
+
+
+@pytest.fixture(scope="module")
+def default_at_25():
+    out = {}
+    for name, ref in REFERENCE.items():
+        trace = _shared(name)
+        d = simulate(trace, "default", 0.25)["hit_rate"]
+        out[name] = (d, ref[0.25][0], ref[0.25][1])
+    return out
+
+
+def test_default_beats_lru_clearly_at_25(default_at_25):
+    # measured: llama4 ~21 %, qwen15 ~15 %, olmoe ~42 % of the gap; guard against regressions
+    floors = {"llama4_maverick_mmlu": 0.15, "qwen15_moe_gsm8k_vllm_batched": 0.10,
+              "olmoe_gsm8k_layer0_vllm_batched": 0.33}
+    for name, (d, lru, bel) in default_at_25.items():
+        assert gap_closed(d, lru, bel) >= floors[name], (name, d, lru, bel)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "goal not reached by any online policy tried: even a policy told each expert's true "
+    "frequency over the whole trace (or over the current request) closes only ~11 % (qwen15), "
+    "~42 % (olmoe), ~39 % (llama4) of the gap at 25 %; see streaming/policy.py"))
+def test_default_closes_half_the_gap_at_25(default_at_25):
+    for name, (d, lru, bel) in default_at_25.items():
+        assert gap_closed(d, lru, bel) >= 0.5, (name, d, lru, bel)
+
+
+def test_capacity_rule():
+    assert capacity_for(0.25, 128, 1) == 32
+    assert capacity_for(0.1, 64, 8) == 8          # at least top_k
+    assert capacity_for(0.1, 60, 4) == 6
+    assert capacity_for(1.0, 60, 4) == 60
+    with pytest.raises(ValueError):
+        capacity_for(0.0, 60, 4)
+
+
+# -- trace format --------------------------------------------------------------------------
+
+def _small_trace(**kw):
+    rng = np.random.default_rng(5)
+    ids = np.stack([[rng.choice(16, 2, replace=False) for _ in range(3)] for _ in range(30)])
+    args = dict(ids=ids.astype(np.int16), layer_ids=np.array([1, 3, 5], dtype=np.int16),
+                seq_start=np.array([0, 12], dtype=np.int64),
+                phase=np.array([0] * 4 + [1] * 8 + [0] * 3 + [1] * 15, dtype=np.uint8),
+                num_experts=16, name="tiny", meta={"model": "test"})
+    args.update(kw)
+    return RoutingTrace(**args)
+
+
+def test_trace_round_trip(tmp_path):
+    tr = _small_trace(step_start=np.array([0, 4, 5, 6], dtype=np.int64))
+    path = save_trace(tmp_path / "tiny.npz", tr)
+    back = load_trace(path)
+    assert back.ids.dtype == np.int16 and np.array_equal(back.ids, tr.ids)
+    assert np.array_equal(back.layer_ids, tr.layer_ids)
+    assert np.array_equal(back.seq_start, tr.seq_start)
+    assert np.array_equal(back.phase, tr.phase) and back.phase.dtype == np.uint8
+    assert np.array_equal(back.step_start, tr.step_start)
+    assert back.num_experts == 16 and back.name == "tiny" and back.meta["model"] == "test"
+    side = json.loads((tmp_path / "tiny.json").read_text())
+    assert side["top_k"] == 2 and side["num_layers"] == 3 and side["num_tokens"] == 30
+    # same hit rates before and after
+    assert simulate(tr, "lru", 0.25)["hit_rate"] == simulate(back, "lru", 0.25)["hit_rate"]
+    # optional keys may be absent
+    bare = RoutingTrace(ids=tr.ids)
+    back2 = load_trace(save_trace(tmp_path / "bare", bare, sidecar=False))
+    assert back2.phase is None and back2.seq_start is None and back2.num_experts == bare.num_experts
+    assert back2.decode_mask().all()
+
+
+def test_trace_request_split():
+    tr = _small_trace()
+    a = tr.select_requests([1])
+    assert a.num_tokens == 18 and np.array_equal(a.ids, tr.ids[12:])
+    assert list(a.seq_start) == [0]
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("ids", np.zeros((5, 2), np.int16), "3 dimensions"),
+    ("ids", np.full((5, 1, 2), -1, np.int16), "negative"),
+    ("ids", np.full((5, 1, 2), 0.5), "integer"),
+    ("phase", np.array([0, 1, 2, 1, 1], np.uint8), "0 \\(prefill\\) or 1"),
+    ("phase", np.array([0, 1], np.uint8), "one per token"),
+    ("seq_start", np.array([0, 3, 2], np.int64), "strictly increasing"),
+    ("seq_start", np.array([1, 3], np.int64), "start at token 0"),
+    ("seq_start", np.array([0, 9], np.int64), "out of range"),
+    ("layer_ids", np.array([0, 1, 2], np.int16), "one per ids column"),
+])
+def test_trace_validation_names_file_and_key(tmp_path, key, value, match):
+    good = {"ids": np.arange(10, dtype=np.int16).reshape(5, 1, 2),
+            "phase": np.ones(5, np.uint8), "seq_start": np.array([0], np.int64),
+            "layer_ids": np.array([7], np.int16)}
+    good[key] = value
+    if key == "ids" and value.ndim == 3:
+        good["phase"] = np.ones(value.shape[0], np.uint8)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **good)
+    with pytest.raises(TraceError, match=match) as err:
+        load_trace(path)
+    assert str(path) in str(err.value) and f"'{key}'" in str(err.value)
+
+
+def test_trace_missing_ids_and_unreadable(tmp_path):
+    p = tmp_path / "noids.npz"
+    np.savez(p, phase=np.ones(3, np.uint8))
+    with pytest.raises(TraceError, match="'ids'.*missing") as err:
+        load_trace(p)
+    assert str(p) in str(err.value)
+    q = tmp_path / "junk.npz"
+    q.write_bytes(b"not a zip")
+    with pytest.raises(TraceError, match="junk.npz"):
+        load_trace(q)
+    with pytest.raises(TraceError, match="no such trace file"):
+        load_trace(tmp_path / "absent.npz")
+    # an id beyond num_experts from the sidecar
+    r = tmp_path / "big.npz"
+    np.savez(r, ids=np.full((3, 1, 1), 9, np.int16))
+    (tmp_path / "big.json").write_text(json.dumps({"num_experts": 8}))
+    with pytest.raises(TraceError, match="'ids'.*num_experts 8"):
+        load_trace(r)
+
+
+# -- the CLI -------------------------------------------------------------------------------
+
+def test_policy_eval_cli(tmp_path, capsys):
+    import argparse
+    from expert_stream.plugin.cli import policy_command
+
+    tr = _small_trace()
+    path = save_trace(tmp_path / "t.npz", tr)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    policy_command.register(sub)
+    args = parser.parse_args(["policy-eval", str(path), "--capacity", "0.25", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"default", "lru", "belady"} <= set(out) and set(POLICIES) <= set(out)
+    assert all(isinstance(v, float) for v in out.values())
+    assert out["belady"] >= max(out.values()) - 1e-9
+    args = parser.parse_args(["policy-eval", str(path), "--policies", "lfu"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "belady" in text and "lfu" in text and "LRU-to-Belady gap" in text

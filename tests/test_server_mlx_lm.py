@@ -1,0 +1,80 @@
+"""mlx_lm.server through `expert-stream mlx-lm-server`: a streamed model answers, then reloads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plugin_fixtures import (
+    ENGINE_SETTINGS, HostProcess, chat, chat_text, expert_stream_argv, free_port, http_json, make_moe,
+    stock_greedy, wait_for,
+)
+
+pytestmark = pytest.mark.server
+
+PROMPT = "Tell me about solid state drives."
+SETTINGS = ", ".join(f"{k}: {json.dumps(v)}" for k, v in ENGINE_SETTINGS.items())
+
+
+def models_yaml(moe, entries):
+    lines = ["expert_stream: {watch: true, poll_seconds: 0.3, debounce_seconds: 0.3}", "models:"]
+    for served, budget in entries:
+        lines += [f"  - model_path: {moe}", f"    served_model_name: {served}",
+                  f"    expert_stream: {{budget_gib: {budget:.6f}, {SETTINGS}}}"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("mlx-lm-server")
+    moe = make_moe(work)
+    port = free_port()
+    path = work / "models.yaml"
+    path.write_text(models_yaml(moe, [("moe", 0.00005)]))
+    host = HostProcess(expert_stream_argv("mlx-lm-server", "--config", str(path), "--", "--host", "127.0.0.1",
+                                          "--port", str(port)),
+                       f"http://127.0.0.1:{port}", work / "server.log", work)
+    try:
+        host.wait_ready("/health")
+        yield host, path, moe
+    finally:
+        host.stop()
+
+
+def slots(status, model="moe"):
+    return status["models"][model]["stats"]["layers"]["model.layers.0.mlp.switch_mlp"]["slots"]
+
+
+def test_streamed_model_answers_like_stock(server):
+    host, _, moe = server
+    assert chat_text(host.base, "moe", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)
+    status = http_json(host.base + "/expert-stream/status")[1]
+    assert status["models"]["moe"]["state"] == "loaded" and slots(status) == 3
+    assert status["models"]["moe"]["stats"]["totals"]["misses"] > 0
+
+
+def test_budget_change_reloads_at_the_next_request(server):
+    host, path, moe = server
+    path.write_text(models_yaml(moe, [("moe", 0.0001)]))
+    status = wait_for(lambda: (s := http_json(host.base + "/expert-stream/status")[1])["reloads"] >= 1 and s,
+                      timeout=60, what="the watcher to apply the edit")
+    assert status["last_reload"]["changed"] == ["moe"]
+    assert status["models"]["moe"]["state"] == "pending reload"
+    assert chat_text(host.base, "moe", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)
+    status = http_json(host.base + "/expert-stream/status")[1]
+    assert status["models"]["moe"]["state"] == "loaded" and slots(status) == 6
+
+
+def test_alias_added_then_removed(server):
+    host, path, moe = server
+    path.write_text(models_yaml(moe, [("moe", 0.0001), ("other", 0.00005)]).replace(
+        f"  - model_path: {moe}\n    served_model_name: other", f"  - model_path: {moe}/.\n    served_model_name: other"))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+    # one folder, two entries: mlx_lm.server keys models by folder, so the file is refused
+    assert code == 422 and "streams the same folder" in body["error"]
+    path.write_text(models_yaml(moe, [("renamed", 0.0001)]))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+    assert code == 200 and body["last_reload"]["removed"] == ["moe"] and body["last_reload"]["added"] == ["renamed"]
+    assert chat_text(host.base, "renamed", PROMPT, 8) == stock_greedy(moe, PROMPT, 8)
+    assert chat(host.base, "moe", PROMPT, 4)[0] != 200
