@@ -49,7 +49,7 @@ def _prompt(vocab: int, n: int, seed: int) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(3, vocab - 1, n), dtype=mx.int32)
 
 
-def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int, on_first=None) -> dict:
+def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int, on_start=None, on_first=None) -> dict:
     """Greedy generation through mlx_lm.generate_step (the loop servers run). Prefill time ends
     when the first token is out; decode rate is over the remaining tokens."""
     from mlx_lm.generate import generate_step
@@ -57,6 +57,8 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
     # Warm-up: the first calls compile kernels (CUDA, Metal); neither side should time that.
     for _ in generate_step(prompt[:4], model, max_tokens=2, prefill_step_size=prefill_step):
         pass
+    if on_start is not None:
+        on_start()
     tokens = []
     t0 = time.perf_counter()
     t_first = None
@@ -117,7 +119,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
     at_first_token = {}
     run = timed_generation(
         model, prompt, cfg.gen_tokens, handle.settings.prefill_step,
-        on_first=lambda: at_first_token.update(handle.stats()),
+        on_start=handle.reset_stats, on_first=lambda: at_first_token.update(handle.stats()),
     )
     prefill_stats = at_first_token["totals"]
     totals = handle.stats()["totals"]
@@ -150,10 +152,21 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
         forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32), handle.settings.prefill_step)
         report["t_compute_s"] = 1 / forced["decode_tok_s"]
         report["t_compute_source"] = "forced_hits"
+    exact = handle.settings.exact
     handle.close()
     del model, handle
     gc.collect()
     mx.clear_cache()
+    if not exact and not run_stock:
+        log("lossy knobs on: the same run with exact settings, for token agreement")
+        exact_settings = {k: v for k, v in cfg.settings.items() if k not in ("top_k_override", "skip_miss_below")}
+        model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **exact_settings)
+        exact_run = timed_generation(model, prompt, cfg.gen_tokens, handle.settings.prefill_step)
+        report["token_agreement_with_exact"] = _agreement(streamed_tokens, exact_run["tokens"])
+        report["exact_decode_tok_s"] = exact_run["decode_tok_s"]
+        handle.close()
+        del model, handle
+        gc.collect()
 
     if run_stock:
         from mlx_lm.utils import load_model

@@ -30,6 +30,7 @@ class LayerStats:
     guess_hits: int = 0  # of those, experts the layer then used
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots
     resident_calls: int = 0  # calls with every expert in a slot: no sync, hits not counted
+    skipped_misses: int = 0  # lossy skip_miss_below: misses dropped instead of read
 
     def as_dict(self) -> dict:
         return asdict(self)

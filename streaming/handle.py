@@ -65,6 +65,9 @@ class StreamHandle:
     def reset_stats(self) -> None:
         for s in self.streams:
             s.cache.stats = LayerStats()
+        for s in self.streams:
+            if s.lookahead is not None:
+                s.lookahead.restart_windows()
 
     def close(self) -> None:
         self.reader.close()

@@ -22,7 +22,8 @@ from .reader import ExpertReader
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
 from .layer_stream import LayerStream
-from .lookahead import Lookahead, make_probe, resolve_prefetch
+from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
+from .lossy import MissSkipper, override_top_k
 from .prefill_sweep import ScratchPool
 from .streamed_switch import StreamedSwitch
 from .traces import load_trace
@@ -81,10 +82,12 @@ def attach(
             f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers "
             "(no SwitchGLU / SwitchMLP blocks); load it with mlx_lm.load, there is nothing to stream"
         )
+    if settings.top_k_override is not None:
+        override_top_k(model, [path for path, _ in blocks], spec.experts_per_token(index.config), settings.top_k_override)
     if settings.mlx_cache_limit_gib is not None:
         mx.set_cache_limit(int(settings.mlx_cache_limit_gib * GIB))
     layouts = [(path, block, expert_tensors(index, path, block, spec)) for path, block in blocks]
-    top_k = spec.experts_per_token(index.config)
+    top_k = settings.top_k_override or spec.experts_per_token(index.config)
     trace, columns = _warm_start_trace(settings, [path for path, _, _ in layouts])
     curves = None
     if columns is not None and settings.budget_by_trace:
@@ -142,7 +145,10 @@ def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_
     block.update(tree_unflatten(list(slots.arrays.items())))  # drops the lazy expert arrays
     cache = ExpertCache(plan.num_experts, plan.num_slots, settings.policy)
     stream = LayerStream(path, cache, slots, reader)
-    layer = StreamedSwitch(block, stream, settings.overlap)
+    skipper = None
+    if settings.skip_miss_below is not None:
+        skipper = MissSkipper(module_at(model, path.rsplit(".", 1)[0]), settings.skip_miss_below)
+    layer = StreamedSwitch(block, stream, settings.overlap, skipper)
     model.update_modules(tree_unflatten([(path, layer)]))
     return stream
 

@@ -31,7 +31,7 @@ WINDOW_READS = 32
 RETRY_AFTER_CALLS = 512
 
 
-def _router_logits(block: nn.Module) -> Optional[Callable[[mx.array], mx.array]]:
+def router_scores(block: nn.Module) -> Optional[Callable[[mx.array], mx.array]]:
     """A function x -> scores whose top-k are the experts `block` routes x to (up to group
     limits), from the block's router: a Linear / QuantizedLinear, or a gate holding `weight`
     (DeepSeek-style sigmoid scores plus a correction bias)."""
@@ -75,10 +75,10 @@ class RouterProbe:
 def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router_hook=None):
     """A probe for the block at path_next, fed with the input of the block at path_l, or None
     when the architecture does not show a router or RMSNorm weights to rescale."""
-    block_next = _module_at(model, path_next.rsplit(".", 1)[0])
-    layer_l = _module_at(model, path_l.rsplit(".", 2)[0])
-    layer_next = _module_at(model, path_next.rsplit(".", 2)[0])
-    logits = router_hook(block_next) if router_hook else _router_logits(block_next)
+    block_next = module_at(model, path_next.rsplit(".", 1)[0])
+    layer_l = module_at(model, path_l.rsplit(".", 2)[0])
+    layer_next = module_at(model, path_next.rsplit(".", 2)[0])
+    logits = router_hook(block_next) if router_hook else router_scores(block_next)
     w_l, w_next = _norm_weight(layer_l), _norm_weight(layer_next)
     if logits is None or w_l is None or w_next is None:
         return None
@@ -90,7 +90,7 @@ def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router
     return RouterProbe(logits, scale, count)
 
 
-def _module_at(model: nn.Module, path: str):
+def module_at(model: nn.Module, path: str):
     node = model
     for part in path.split("."):
         node = node[int(part)] if isinstance(node, list) else node[part]
@@ -109,12 +109,16 @@ class Lookahead:
         self._window_start = (0, 0)  # target's (guesses, guess_hits) when the window began
         self._reads_start = (0, 0)  # target's (prefetch_reads, prefetch_hits) likewise
 
+    def restart_windows(self) -> None:
+        """The target's counters were reset: judge from here on."""
+        self._window_start, self._reads_start = self._counts(), self._read_counts()
+
     def guess(self, x: mx.array) -> Optional[mx.array]:
         if not self.active:
             self._calls_off += 1
             if self._calls_off >= RETRY_AFTER_CALLS:
                 self.active, self._calls_off = True, 0
-                self._window_start, self._reads_start = self._counts(), self._read_counts()
+                self.restart_windows()
             return None
         return self.probe.guess(x)
 

@@ -40,6 +40,15 @@ def expert_rows(module: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) ->
     return module.fc2(h, idx, sorted_indices=do_sort)
 
 
+def stitch(outputs: list[mx.array], positions: list[np.ndarray], axis: int) -> mx.array:
+    """Outputs computed for disjoint subsets of positions along `axis`, back in position order
+    (a concatenation and a gather: no arithmetic, so the bits are the computed ones)."""
+    order = np.concatenate(positions)
+    inverse = np.empty(order.size, dtype=np.int32)
+    inverse[order] = np.arange(order.size, dtype=np.int32)
+    return mx.take(mx.concatenate(outputs, axis=axis), mx.array(inverse), axis=axis)
+
+
 def with_arrays(inner: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
     """A shallow copy of the block computing with other expert tensors (scratch buffers)."""
     clone = copy.copy(inner)
@@ -127,11 +136,7 @@ def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool
     mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
     stream.pending = []
 
-    pos = np.concatenate(positions)
-    inverse = np.empty_like(pos)
-    inverse[pos] = np.arange(pos.size)
-    y = mx.concatenate(outputs, axis=0)[mx.array(inverse)]
-    return mx.unflatten(y, 0, ids.shape).squeeze(-2)
+    return mx.unflatten(stitch(outputs, positions, axis=0), 0, ids.shape).squeeze(-2)
 
 
 def _read_batch(stream, buffers, batches, j):

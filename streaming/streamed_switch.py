@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .layer_stream import LayerStream
-from .prefill_sweep import sweep
+from .prefill_sweep import stitch, sweep
 
 
 def stock_sorts(indices_size: int) -> bool:
@@ -30,11 +30,12 @@ def stock_sorts(indices_size: int) -> bool:
 class StreamedSwitch(nn.Module):
     """Called exactly like the SwitchGLU / SwitchMLP it replaces: `layer(x, indices)`."""
 
-    def __init__(self, inner: nn.Module, stream: LayerStream, overlap: bool = True):
+    def __init__(self, inner: nn.Module, stream: LayerStream, overlap: bool = True, skipper=None):
         super().__init__()
         self.inner = inner
         self.stream = stream
         self.overlap = overlap
+        self.skipper = skipper  # lossy.MissSkipper when skip_miss_below is set
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         stream = self.stream
@@ -64,6 +65,10 @@ class StreamedSwitch(nn.Module):
 
     def _from_slots(self, x, indices, ids, needed, look, guess):
         stream = self.stream
+        if self.skipper is not None and ids.size == ids.shape[-1]:
+            kept = self._skip_light_misses(x, ids, needed)
+            if kept is not None:
+                return self._positions_only(x, ids, kept, look, guess)
         missing = stream.cache.access(needed)
         reads = stream.start_reads(missing, protected=needed) if missing.size else None
         if guess is not None:
@@ -89,8 +94,34 @@ class StreamedSwitch(nn.Module):
         mx.async_eval(y_hit)
         stream.finish_reads(reads, pending=[y_hit])
         y_miss = self.inner(x, stream.slot_indices(ids[..., miss_pos]))
-        order = np.concatenate([hit_pos, miss_pos])
-        inverse = np.empty(order.size, dtype=np.int32)
-        inverse[order] = np.arange(order.size, dtype=np.int32)
-        return mx.take(mx.concatenate([y_hit, y_miss], axis=axis), mx.array(inverse), axis=axis)
+        return stitch([y_hit, y_miss], [hit_pos, miss_pos], axis)
 
+    def _skip_light_misses(self, x, ids, needed):
+        """Lossy: positions of the token's experts to keep, or None when nothing is skipped."""
+        absent = needed[~self.stream.cache.resident(needed)]
+        if absent.size == 0:
+            return None
+        flat = ids.reshape(-1)
+        skip = self.skipper.light(x, ids) & np.isin(flat, absent)
+        if not skip.any():
+            return None
+        self.stream.cache.stats.skipped_misses += int(skip.sum())
+        return np.flatnonzero(~skip)
+
+    def _positions_only(self, x, ids, kept, look, guess):
+        """Compute only the kept positions; dropped experts contribute zeros."""
+        stream = self.stream
+        k = ids.shape[-1]
+        axis = ids.ndim - 1
+        needed = np.unique(ids[..., kept])
+        missing = stream.cache.access(needed)
+        reads = stream.start_reads(missing, protected=needed) if missing.size else None
+        if guess is not None:
+            look.issue(np.array(guess))
+        if reads is not None:
+            stream.finish_reads(reads)
+        stream.last_path = "skip"
+        y = self.inner(x, stream.slot_indices(ids[..., kept]))
+        dropped = np.setdiff1d(np.arange(k), kept)
+        zeros = mx.zeros((*y.shape[:axis], dropped.size, *y.shape[axis + 1:]), dtype=y.dtype)
+        return stitch([y, zeros], [kept, dropped], axis)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The engine's "default" policy and lookahead from a non-loading thread were not working when these
 # tests were written (KeyError 'default'; "There is no Stream(cpu, 0) in current thread" when
 # mlx-openai-server generates on its worker thread); one place to drop these once they do.
-ENGINE_SETTINGS = {"policy": "lru", "prefetch": False}
+ENGINE_SETTINGS: dict = {}  # streamed entries run the engine defaults
 # A child model process of mlx-openai-server takes 10-60 s to import the host and load on 2 cores.
 START_TIMEOUT_S = 300
 MOE = dict(arch="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64, moe_hidden=64, bits=4,

@@ -10,7 +10,7 @@ import yaml
 from expert_stream.plugin.config import ConfigError, diff, load_host_config
 from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
 from expert_stream.plugin.reload import FileWatcher
-from plugin_fixtures import ENGINE_SETTINGS, make_dense, make_moe
+from plugin_fixtures import make_dense, make_moe
 
 GIB = 1 << 30
 
@@ -42,7 +42,7 @@ def good(models, budget=0.001, extra=""):
         models:
           - model_path: {models['moe']}
             served_model_name: big
-            expert_stream: {{budget_gib: {budget}, policy: {ENGINE_SETTINGS['policy']}}}
+            expert_stream: {{budget_gib: {budget}, policy: lru}}
           - model_path: {models['dense']}
             served_model_name: small
         """

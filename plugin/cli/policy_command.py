@@ -41,12 +41,12 @@ def register(subparsers) -> None:
 
 
 def _error(msg: str) -> Exception:
-    from expert_stream.plugin.cli import UserFacingError
-    return UserFacingError(msg)
+    # the CLI prints ExpertStreamError messages as they are (no traceback) and exits 2
+    from expert_stream.streaming.errors import ExpertStreamError
+    return ExpertStreamError(msg)
 
 
 def run_policy_eval(args: argparse.Namespace) -> int:
-    from expert_stream.streaming.errors import ExpertStreamError
     from expert_stream.streaming.policy import DEFAULT, POLICIES
     from expert_stream.streaming.policy_sim import capacity_for, gap_closed, simulate
     from expert_stream.streaming.traces import load_trace
@@ -66,10 +66,7 @@ def run_policy_eval(args: argparse.Namespace) -> int:
     if unknown:
         raise _error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}, belady")
 
-    try:
-        trace = load_trace(args.trace)
-    except ExpertStreamError as exc:
-        raise _error(str(exc)) from exc
+    trace = load_trace(args.trace)           # TraceError (an ExpertStreamError) names file and key
     if trace.decode_mask().sum() == 0 and not args.include_prefill:
         raise _error(f"{args.trace}: no decode tokens (phase == 1) to evaluate")
 

@@ -106,6 +106,9 @@ def print_report(r: dict) -> None:
     if "stock_tok_s" in r:
         rows.append(("stock", f"{r['stock_tok_s']:.2f} tok/s -> ratio to stock {r['ratio_to_stock']:.2f}, "
                               f"token agreement {r['token_agreement_with_stock']:.2f}"))
+    if "token_agreement_with_exact" in r:
+        rows.append(("lossy", f"token agreement with exact output {r['token_agreement_with_exact']:.2f} "
+                              f"(exact run {r['exact_decode_tok_s']:.2f} tok/s)"))
     look = r["lookahead"]
     if look["guess_hit_rate"] is not None:
         rows.append(("lookahead", f"guesses right {look['guess_hit_rate']:.1%}, {look['prefetch_used']}/{look['prefetch_reads']} "
