@@ -144,8 +144,12 @@ def test_hot_reload_while_a_streaming_request_is_in_flight(server, models):
 def test_bare_host_refuses_the_file(models, tmp_path):
     port = free_port()
     path = tmp_path / "host.yaml"
-    # model_id: the 1.6 name of served_model_name, so the only key it does not know is ours.
-    path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]).replace("served_model_name", "model_id"))
+    # The host's own name for the served id (1.6: model_id, 1.7+: served_model_name), so the only
+    # key it does not know is ours.
+    from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+
+    id_key = MLX_OPENAI_SERVER.internals().id_key
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]).replace("served_model_name", id_key))
     bare = [sys.executable, "-c", "from app.main import main; main()"]
     host = HostProcess([*bare, "launch", "--config", str(path), "--no-log-file"],
                        f"http://127.0.0.1:{port}", tmp_path / "bare.log", tmp_path)

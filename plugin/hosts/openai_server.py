@@ -42,9 +42,11 @@ log = logging.getLogger("expert_stream")
 
 STATUS_PATH = "/expert-stream/status"
 RELOAD_PATH = "/expert-stream/reload"
-TESTED_VERSIONS = ("1.6.3",)
+TESTED_VERSIONS = ("1.6.3", "1.8.1")
 # Flags of `launch` that multi-model mode ignores but belong in the YAML's `server:` section.
 SERVER_FLAGS = {"--host": "host", "--port": "port", "--log-level": "log_level", "--log-file": "log_file"}
+# Entry values that make a model serve one request at a time, by host version.
+ONE_AT_A_TIME = {"max_concurrency": 1, "disable_batching": True}
 STATS_TIMEOUT_S = 2.0  # a child busy generating answers the stats call after its request
 
 
@@ -82,8 +84,12 @@ class OpenAIServerHost:
              "app.cli has no `launch --config` command")
         entry_cls = getattr(config, "ModelEntryConfig", None)
         fields = {f.name for f in dataclasses.fields(entry_cls)} if dataclasses.is_dataclass(entry_cls) else set()
-        need({"model_path", "model_type", "queue_timeout", "max_concurrency"} <= fields,
-             "app.config.ModelEntryConfig lacks model_path/model_type/queue_timeout/max_concurrency")
+        need({"model_path", "model_type", "queue_timeout"} <= fields,
+             "app.config.ModelEntryConfig lacks model_path/model_type/queue_timeout")
+        # One request at a time for streamed models: 1.6 caps the queue's concurrency, 1.8
+        # replaced that with continuous batching, which it can switch off per model.
+        need(bool(fields & set(ONE_AT_A_TIME)),
+             "app.config.ModelEntryConfig has neither max_concurrency nor disable_batching")
         id_key = "served_model_name" if "served_model_name" in fields else "model_id"
         need(id_key in fields, "app.config.ModelEntryConfig has neither served_model_name nor model_id")
         need(_params(getattr(server, "create_multi_lifespan", None))[:1] == ["config"],
@@ -125,7 +131,7 @@ class OpenAIServerHost:
             entry_keys=frozenset(internals.entry_fields | {"served_model_name", "model_id"}),
             id_key=internals.id_key,
             queue_timeout_key="queue_timeout",
-            forced_entry_values={"max_concurrency": 1},
+            forced_entry_values={k: v for k, v in ONE_AT_A_TIME.items() if k in internals.entry_fields},
             streamed_entry_check=_lm_only,
         )
 
@@ -420,8 +426,9 @@ class Reloader:
         kwargs = {"model_cfg_dict": dataclasses.asdict(cfg), "model_type": cfg.model_type,
                   "model_path": cfg.model_path, internals.proxy_id_param: entry.model_id}
         proxy = internals.Proxy(**kwargs)
-        queue_config = {"max_concurrency": cfg.max_concurrency, "timeout": cfg.queue_timeout,
-                        "queue_size": cfg.queue_size}
+        queue_config = {"timeout": cfg.queue_timeout, "queue_size": cfg.queue_size}
+        if hasattr(cfg, "max_concurrency"):  # 1.6 (1.8 batches instead)
+            queue_config["max_concurrency"] = cfg.max_concurrency
         if entry.streamed:
             queue_config["expert_stream"] = {"model_id": entry.model_id, "model_path": entry.model_path,
                                              "settings": entry.settings.to_dict()}
