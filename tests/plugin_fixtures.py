@@ -114,7 +114,9 @@ def stream_chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 
                 done = True
                 break
             chunk = json.loads(data)
-            if "error" in chunk:
+            # The host sends errors as {"error": {...}}, or, for an HTTPException raised while
+            # streaming, as the exception's detail ({"message": ..., "type": ...}).
+            if "error" in chunk or ("message" in chunk and "choices" not in chunk):
                 errors.append(chunk)
                 continue
             for choice in chunk.get("choices", []):

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from expert_stream.streaming.footprint import checkpoint_footprint
 
@@ -18,17 +19,16 @@ MARGIN_BYTES = 256 * MB
 
 CHILD = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import mlx.core as mx
     import mlx_lm, expert_stream
-    def rss():
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return r if sys.platform == "darwin" else r * 1024
-    baseline = rss()
-    model, tokenizer, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]))
-    text = mlx_lm.generate(model, tokenizer, "hello " * 64, max_tokens=12)
+    sys.path.insert(0, sys.argv[3])
+    from rss_sampler import PeakRSS
+    with PeakRSS() as m:
+        model, tokenizer, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]))
+        text = mlx_lm.generate(model, tokenizer, "hello " * 64, max_tokens=12)
     stats = handle.stats()["totals"]
-    print(json.dumps({"baseline": baseline, "peak": rss(), "bytes_read": stats["bytes_read"],
+    print(json.dumps({"baseline": m.base, "peak": m.peak, "bytes_read": stats["bytes_read"],
                       "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
                       "scratch": handle.streams[0].scratch.nbytes}))
     """
@@ -43,7 +43,7 @@ def test_peak_rss_below_trunk_plus_budget(checkpoints):
     assert fp.expert_bytes > 900 * MB
     budget_gib = fp.min_budget_gib * 1.5
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), str(budget_gib)],
+        [sys.executable, "-c", CHILD, str(path), str(budget_gib), str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=600, check=True,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])

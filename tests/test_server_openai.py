@@ -25,8 +25,8 @@ SETTINGS = ", ".join(f"{k}: {json.dumps(v)}" for k, v in ENGINE_SETTINGS.items()
 TIMINGS: dict = {}
 
 
-def config_text(models, port, entries):
-    lines = [f"expert_stream: {{watch: true, poll_seconds: 0.3, debounce_seconds: 0.3, drain_timeout_s: 300}}",
+def config_text(models, port, entries, drain_timeout_s=300):
+    lines = [f"expert_stream: {{watch: true, poll_seconds: 0.3, debounce_seconds: 0.3, drain_timeout_s: {drain_timeout_s}}}",
              f"server: {{host: 127.0.0.1, port: {port}, log_level: WARNING}}", "models:"]
     for served, key, budget in entries:
         lines.append(f"  - model_path: {models[key]}")
@@ -139,6 +139,33 @@ def test_hot_reload_while_a_streaming_request_is_in_flight(server, models):
     assert chat_text(host.base, "moe", PROMPT, 12) == short
     assert chat_text(host.base, "moe-b", PROMPT, 12) == short
     assert chat(host.base, "dense", PROMPT, 4)[0] == 404
+
+
+def test_request_cut_off_after_the_drain_timeout_gets_an_error(server, models):
+    """A change that cannot wait: the in-flight request ends with an error chunk, not a hang."""
+    host, path, port = server
+    # First a 1 s drain timeout on its own (the timeout in force is the applied config's).
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00005)], drain_timeout_s=1))
+    assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
+    started = threading.Event()
+    result = {}
+
+    def stream():
+        result["out"] = stream_chat(host.base, "moe", PROMPT, 30000, on_first=started.set)
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert started.wait(120), "the streaming request never started"
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00007)], drain_timeout_s=1))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)
+    assert code == 200, body
+    client.join(120)
+    assert not client.is_alive(), "the cut-off request hangs"
+    text, chunks, errors, done = result["out"]
+    assert body["last_reload"]["changed"] == ["moe"] and body["last_reload"]["cut_off"] == 1
+    assert errors and chunks < 30000, (errors, chunks)
+    assert "unloaded by a config reload" in json.dumps(errors)
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
 
 
 def test_bare_host_refuses_the_file(models, tmp_path):

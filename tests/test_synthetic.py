@@ -424,16 +424,17 @@ def test_writer_memory_stays_bounded(tmp_path):
     """A 600 MB checkpoint in 100 MB shards: the writer's memory grows by a small fraction of
     it (a leak of written tensors, or whole shards held in memory, would fail)."""
     code = textwrap.dedent(f"""
-        import json, resource, psutil
+        import json, sys
         import mlx.core as mx
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from rss_sampler import PeakRSS
         from expert_stream.streaming.synthetic import estimate_size, layers_for_target, make_checkpoint
         kw = dict(experts=64, hidden=1024, moe_hidden=512, dtype="bfloat16", bits=4, shard_size_mb=100)
         layers = layers_for_target("qwen3_moe", 600_000_000, **kw)
         size = estimate_size("qwen3_moe", layers=layers, **kw)["total_bytes"]
-        base = psutil.Process().memory_info().rss
-        make_checkpoint({str(tmp_path / 'big')!r}, "qwen3_moe", layers=layers, progress=False, **kw)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(json.dumps(dict(size=size, base=base, peak=peak, mlx_peak=mx.get_peak_memory())))
+        with PeakRSS() as m:
+            make_checkpoint({str(tmp_path / 'big')!r}, "qwen3_moe", layers=layers, progress=False, **kw)
+        print(json.dumps(dict(size=size, base=m.base, peak=m.peak, mlx_peak=mx.get_peak_memory())))
     """)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, env=_env()).stdout
