@@ -51,7 +51,8 @@ class TraceRecorder:
         return RoutingTrace(
             ids=np.concatenate(self._blocks),
             layer_ids=np.array([layer_index(n) for n in self.layer_names], dtype=np.int16),
-            seq_start=np.array(self._seq_start, dtype=np.int64),
+            # A new_sequence() after the last request marks no tokens: drop it.
+            seq_start=np.array([s for s in self._seq_start if s < self._tokens], dtype=np.int64),
             phase=np.concatenate(self._phase),
             num_experts=self.num_experts,
             name=name,

@@ -7,7 +7,6 @@ import shutil
 import struct
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import expert_stream

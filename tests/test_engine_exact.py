@@ -4,7 +4,6 @@ prefill long enough to take stock's sorted path and for greedy decode."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from exactness import assert_same_logits, load_pair, prompt_ids

@@ -67,16 +67,19 @@ def run_bench_command(args) -> int:
 
     settings = parse_settings(args.set)
     budgets = [float(b) for b in args.sweep.split(",")] if args.sweep else [args.budget_gib]
+    if args.plot:
+        pyplot()  # fail before the runs, not after
     reports = []
+    stock, known = args.stock, None
     for budget in budgets:
         cfg = BenchConfig(
             model_dir=Path(args.model_dir), budget_gib=budget, prompt_tokens=args.prompt_tokens,
-            gen_tokens=args.gen_tokens, settings=settings, stock=args.stock,
-            disk_bytes=int(args.disk_gb * 1e9),
+            gen_tokens=args.gen_tokens, settings=settings, stock=stock,
+            disk_bytes=int(args.disk_gb * 1e9), known_t_compute=known,
         )
         reports.append(run_bench(cfg))
-        if len(budgets) > 1:
-            args.stock = "no" if args.stock == "auto" else args.stock  # stock once is enough
+        # The compute floor and stock do not depend on the budget: measure them once.
+        known, stock = (reports[0]["t_compute_s"], reports[0]["t_compute_source"]), "no"
     if args.plot:
         plot_sweep(reports, args.plot)
     if args.json:
@@ -120,7 +123,7 @@ def print_report(r: dict) -> None:
     print()
 
 
-def plot_sweep(reports: list[dict], out: str) -> None:
+def pyplot():
     try:
         import matplotlib
 
@@ -128,6 +131,11 @@ def plot_sweep(reports: list[dict], out: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SettingsError("--plot needs matplotlib: pip install 'mlx-expert-stream[plot]'") from None
+    return plt
+
+
+def plot_sweep(reports: list[dict], out: str) -> None:
+    plt = pyplot()
     budgets = [r["budget_gib"] for r in reports]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(budgets, [r["decode_tok_s"] for r in reports], "o-", label="decode tok/s")

@@ -28,7 +28,6 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 from expert_stream.plugin.config import ConfigError, HostConfig, HostSchema, diff, load_host_config
 from expert_stream.plugin.hosts.base import installed_version, refuse

@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import os
 import shutil
 import signal
 import tempfile
