@@ -435,33 +435,34 @@ static int get_bounce(PoolObject *p, void **bounce) {
     return 0;
 }
 
-static void span_buffered(const Job *j, const Span *s, SpanResult *res) {
-    int fd = j->fds[s->file];
+/* Read [s->off, s->off + s->len) of fd into the span's destinations with preadv, resuming
+ * after short reads. With stop_unaligned (O_DIRECT), a short read that ends off a block
+ * boundary means the file ended. Returns 1 on success; on failure fills res and returns 0. */
+static int preadv_span(int fd, const Job *j, const Span *s, int stop_unaligned, SpanResult *res) {
     struct iovec iov[ES_IOV_CAP];
-    int n = s->nseg;
+    int n = s->nseg, i0 = 0;
     for (int i = 0; i < n; i++) {
         iov[i].iov_base = j->segs[s->seg0 + i].addr;
         iov[i].iov_len = (size_t)j->segs[s->seg0 + i].len;
     }
-    int i0 = 0;
     int64_t pos = s->off, end = s->off + s->len;
     while (pos < end) {
         ssize_t r = es_preadv(fd, iov + i0, n - i0, pos);
         res->syscalls++;
-        if (r < 0) {
-            if (errno == EINTR) continue;
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) { /* an error, or the end of the file (a truncated shard) */
             res->ok = 0;
-            res->err = errno;
+            res->err = r < 0 ? errno : 0;
             res->pos = pos;
-            return;
+            return 0;
         }
-        if (r == 0) {
+        pos += r;
+        if (stop_unaligned && pos < end && pos % ES_ALIGN) {
             res->ok = 0;
             res->err = 0;
             res->pos = pos;
-            return;
+            return 0;
         }
-        pos += r;
         size_t left = (size_t)r;
         while (left > 0 && i0 < n) {
             if (left >= iov[i0].iov_len) {
@@ -474,13 +475,18 @@ static void span_buffered(const Job *j, const Span *s, SpanResult *res) {
             }
         }
     }
-    if (j->mode == MODE_FADVISE) {
+    res->bytes = s->len;
+    res->ok = 1;
+    return 1;
+}
+
+static void span_buffered(const Job *j, const Span *s, SpanResult *res) {
+    int fd = j->fds[s->file];
+    if (preadv_span(fd, j, s, 0, res) && j->mode == MODE_FADVISE) {
         res->drop.fd = fd;
         res->drop.off = s->off;
         res->drop.len = s->len;
     }
-    res->bytes = s->len;
-    res->ok = 1;
 }
 
 static int span_aligned(const Job *j, const Span *s) {
@@ -497,50 +503,7 @@ static void span_direct(PoolObject *p, const Job *j, const Span *s, void **bounc
     int64_t off = s->off, end = s->off + s->len;
     if (span_aligned(j, s)) {
         /* zero copy: every destination and the file range are block aligned */
-        struct iovec iov[ES_IOV_CAP];
-        int n = s->nseg, i0 = 0;
-        for (int i = 0; i < n; i++) {
-            iov[i].iov_base = j->segs[s->seg0 + i].addr;
-            iov[i].iov_len = (size_t)j->segs[s->seg0 + i].len;
-        }
-        int64_t pos = off;
-        while (pos < end) {
-            ssize_t r = es_preadv(fd, iov + i0, n - i0, pos);
-            res->syscalls++;
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                res->ok = 0;
-                res->err = errno;
-                res->pos = pos;
-                return;
-            }
-            if (r == 0) {
-                res->ok = 0;
-                res->err = 0;
-                res->pos = pos;
-                return;
-            }
-            pos += r;
-            if (pos < end && pos % ES_ALIGN) { /* an unaligned short read: the file ended */
-                res->ok = 0;
-                res->err = 0;
-                res->pos = pos;
-                return;
-            }
-            size_t left = (size_t)r;
-            while (left > 0 && i0 < n) {
-                if (left >= iov[i0].iov_len) {
-                    left -= iov[i0].iov_len;
-                    i0++;
-                } else {
-                    iov[i0].iov_base = (char *)iov[i0].iov_base + left;
-                    iov[i0].iov_len -= left;
-                    left = 0;
-                }
-            }
-        }
-        res->bytes = s->len;
-        res->ok = 1;
+        preadv_span(fd, j, s, 1, res);
         return;
     }
     if (get_bounce(p, bounce) < 0) {

@@ -4,6 +4,7 @@ internals it touches, the config schema it accepts, and a way to serve a config.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 
 from expert_stream.streaming.errors import ExpertStreamError
 
@@ -27,3 +28,12 @@ def refuse(host: str, version: str, problems: list[str]) -> None:
             + "; ".join(problems)
             + ". Install a supported version (see `expert-stream serve --help`)."
         )
+
+
+def parameter_names(fn) -> list[str]:
+    """The parameter names of a host function, or [] when it is missing or not inspectable:
+    the adapters compare them with what they were written against."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []

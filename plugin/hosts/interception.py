@@ -110,7 +110,6 @@ def _load_model(*args, **kwargs):
 
 def _load_streamed(bound, target: Target):
     import mlx.core as mx
-
     from expert_stream.plugin import plugins
     from expert_stream.streaming.loader import attach
     from expert_stream.streaming.settings import StreamSettings

@@ -29,9 +29,21 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from expert_stream.plugin.config import ConfigError, HostConfig, HostSchema, diff, load_host_config
-from expert_stream.plugin.hosts.base import installed_version, refuse
-from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, file_hash, is_loopback
+from expert_stream.plugin.config import (
+    ConfigError,
+    HostConfig,
+    HostSchema,
+    diff,
+    load_host_config,
+)
+from expert_stream.plugin.hosts.base import installed_version, parameter_names, refuse
+from expert_stream.plugin.reload import (
+    FileWatcher,
+    ModelState,
+    ReloadRecord,
+    file_hash,
+    is_loopback,
+)
 
 log = logging.getLogger("expert_stream")
 
@@ -52,13 +64,11 @@ class MlxLmServerHost:
         version = self.version()
         import mlx_lm.server as server
         import mlx_lm.utils
-
         from expert_stream.plugin.hosts import interception
 
         problems = []
         provider = getattr(server, "ModelProvider", None)
-        params = lambda fn: list(inspect.signature(fn).parameters) if callable(fn) else []  # noqa: E731
-        if params(getattr(provider, "load", None))[:4] != ["self", "model_path", "adapter_path", "draft_model_path"]:
+        if parameter_names(getattr(provider, "load", None))[:4] != ["self", "model_path", "adapter_path", "draft_model_path"]:
             problems.append("ModelProvider.load(model_path, adapter_path, draft_model_path) is missing")
         if not callable(getattr(provider, "_load", None)):
             problems.append("ModelProvider._load is missing")

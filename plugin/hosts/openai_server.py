@@ -33,9 +33,25 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from expert_stream.plugin.config import ConfigError, HostConfig, HostSchema, diff, load_host_config
-from expert_stream.plugin.hosts.base import HostError, installed_version, refuse
-from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, is_loopback
+from expert_stream.plugin.config import (
+    ConfigError,
+    HostConfig,
+    HostSchema,
+    diff,
+    load_host_config,
+)
+from expert_stream.plugin.hosts.base import (
+    HostError,
+    installed_version,
+    parameter_names,
+    refuse,
+)
+from expert_stream.plugin.reload import (
+    FileWatcher,
+    ModelState,
+    ReloadRecord,
+    is_loopback,
+)
 
 log = logging.getLogger("expert_stream")
 
@@ -71,7 +87,6 @@ class OpenAIServerHost:
         except ImportError as exc:
             raise HostError(f"{self.name} {version}: cannot import its modules ({exc})") from None
         import mlx_lm.utils
-
         from expert_stream.plugin.hosts import interception
 
         def need(ok: bool, what: str):
@@ -91,20 +106,20 @@ class OpenAIServerHost:
              "app.config.ModelEntryConfig has neither max_concurrency nor disable_batching")
         id_key = "served_model_name" if "served_model_name" in fields else "model_id"
         need(id_key in fields, "app.config.ModelEntryConfig has neither served_model_name nor model_id")
-        need(_params(getattr(server, "create_multi_lifespan", None))[:1] == ["config"],
+        need(parameter_names(getattr(server, "create_multi_lifespan", None))[:1] == ["config"],
              "app.server.create_multi_lifespan(config) is missing")
         worker = getattr(handler_process, "_handler_worker", None)
-        need(_params(worker)[:2] == ["model_cfg_dict", "queue_config"],
+        need(parameter_names(worker)[:2] == ["model_cfg_dict", "queue_config"],
              "app.core.handler_process._handler_worker(model_cfg_dict, queue_config, ...) is missing")
         proxy = getattr(handler_process, "HandlerProcessProxy", None)
-        proxy_params = set(_params(getattr(proxy, "__init__", None)))
+        proxy_params = set(parameter_names(getattr(proxy, "__init__", None)))
         need({"model_cfg_dict", "model_type", "model_path"} <= proxy_params
              and bool({"model_id", "served_model_name"} & proxy_params),
              "HandlerProcessProxy(model_cfg_dict, model_type, model_path, model_id) is missing")
         for method in ("start", "cleanup", "_call"):
             need(inspect.iscoroutinefunction(getattr(proxy, method, None)), f"HandlerProcessProxy.{method} is missing")
         need("_pending" in _source(getattr(proxy, "__init__", None)), "HandlerProcessProxy._pending is missing")
-        need(_params(getattr(ModelRegistry, "register_model", None))[:5]
+        need(parameter_names(getattr(ModelRegistry, "register_model", None))[:5]
              == ["self", "model_id", "handler", "model_type", "context_length"],
              "ModelRegistry.register_model(model_id, handler, model_type, context_length) is missing")
         need(all(a in _source(ModelRegistry.__init__) for a in ("_handlers", "_metadata", "_lock")),
@@ -174,13 +189,6 @@ def _lm_only(entry: dict) -> Optional[str]:
     if model_type != "lm":
         return f"model_type {model_type!r} cannot be streamed (only `lm` models load through mlx-lm)"
     return None
-
-
-def _params(fn) -> list[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
 
 
 def _source(fn) -> str:
