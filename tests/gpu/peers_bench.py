@@ -395,7 +395,6 @@ def _bigrig_nocache_linux(rep):
 
 def run_bigrig(cfg, rep, session=False):
     src = _ensure_importable("bigrig_engine", cfg["wheels_dir"])   # sets MLX_MAX_OPS_PER_BUFFER=8
-    import mlx.core as mx
     from bigrig_engine import autoconfig, stream
     rep["import"] = src
     try:
