@@ -82,9 +82,11 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
 
 
 def _vocab(model) -> int:
+    """The vocabulary size; mlx-vlm-layout models keep it on their language model's args."""
     args = getattr(model, "args", None)
-    vocab = getattr(args, "vocab_size", None) or getattr(getattr(model, "language_model", None), "args", args).vocab_size
-    return int(vocab)
+    if getattr(args, "vocab_size", None) is None:
+        args = model.language_model.args
+    return int(args.vocab_size)
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:

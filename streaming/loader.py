@@ -106,7 +106,7 @@ def attach(
     for (path, block, tensors), plan in zip(layouts, plans):
         if plan.resident:
             continue  # stays a stock block; its lazy tensors load with the trunk
-        streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode))
+        streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode, spec))
         streams[-1].scratch = scratch
     if resolve_prefetch(settings.prefetch):
         _link_lookahead(model, streams, spec, top_k, settings)
@@ -140,14 +140,15 @@ def _warm_start_trace(settings, layer_paths):
     return trace, columns
 
 
-def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode) -> LayerStream:
+def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode, spec) -> LayerStream:
     slots = ExpertSlots(tensors, plan.num_slots, write_mode)
     block.update(tree_unflatten(list(slots.arrays.items())))  # drops the lazy expert arrays
     cache = ExpertCache(plan.num_experts, plan.num_slots, settings.policy)
     stream = LayerStream(path, cache, slots, reader)
     skipper = None
     if settings.skip_miss_below is not None:
-        skipper = MissSkipper(module_at(model, path.rsplit(".", 1)[0]), settings.skip_miss_below)
+        moe_block = module_at(model, path.rsplit(".", 1)[0])
+        skipper = MissSkipper(moe_block, settings.skip_miss_below, spec.router)
     layer = StreamedSwitch(block, stream, settings.overlap, skipper)
     model.update_modules(tree_unflatten([(path, layer)]))
     return stream

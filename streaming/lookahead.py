@@ -50,6 +50,12 @@ def router_scores(block: nn.Module) -> Optional[Callable[[mx.array], mx.array]]:
     return None
 
 
+def block_router(block: nn.Module, router_hook=None):
+    """The scoring function of a block's router: the architecture's hook when it registered
+    one (ArchitectureSpec.router), else what router_scores finds."""
+    return router_hook(block) if router_hook else router_scores(block)
+
+
 def _norm_weight(layer: nn.Module) -> Optional[mx.array]:
     for name in NORM_NAMES:
         norm = layer.get(name) if isinstance(layer, dict) else None
@@ -78,7 +84,7 @@ def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router
     block_next = module_at(model, path_next.rsplit(".", 1)[0])
     layer_l = module_at(model, path_l.rsplit(".", 2)[0])
     layer_next = module_at(model, path_next.rsplit(".", 2)[0])
-    logits = router_hook(block_next) if router_hook else router_scores(block_next)
+    logits = block_router(block_next, router_hook)
     w_l, w_next = _norm_weight(layer_l), _norm_weight(layer_next)
     if logits is None or w_l is None or w_next is None:
         return None

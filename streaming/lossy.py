@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import SettingsError
-from .lookahead import module_at, router_scores
+from .lookahead import block_router, module_at
 
 # Attribute names MoE blocks (or their gates) keep their top-k in, across mlx-lm models.
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "num_experts_per_token", "experts_per_token")
@@ -40,8 +40,8 @@ def override_top_k(model: nn.Module, expert_paths: list[str], top_k: int | None,
 class MissSkipper:
     """Decides which of a decode token's missing experts are too light to be worth a read."""
 
-    def __init__(self, block: nn.Module, threshold: float):
-        self.scores = router_scores(block)
+    def __init__(self, block: nn.Module, threshold: float, router_hook=None):
+        self.scores = block_router(block, router_hook)
         self.threshold = threshold
         if self.scores is None:
             raise SettingsError(

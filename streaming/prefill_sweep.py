@@ -105,7 +105,9 @@ def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool
         return y
 
     outputs, positions = [], []
-    from_cache = lambda e: cache.slot_of[e]  # noqa: E731
+    def from_cache(experts):
+        return cache.slot_of[experts]
+
     if resident.size:
         y = compute(layer.inner, resident, from_cache)
         mx.async_eval(y)

@@ -17,7 +17,7 @@ def register(sub) -> None:
         "serve", help="start mlx-openai-server on a config with expert_stream blocks",
         description="Start mlx-openai-server (multi-model mode) on FILE with expert streaming. Flags after "
                     "FILE go to the host's `launch` (--host, --port and --log-level go into the config's "
-                    "`server:` section). Tested with mlx-openai-server 1.6.3.")
+                    "`server:` section). Tested with mlx-openai-server 1.6.3 and 1.8.1.")
     p.add_argument("--config", required=True, help="the host's YAML config with expert_stream blocks")
     p.set_defaults(func=run_serve)
     _pass_unknown_flags(p, "flags for mlx-openai-server launch")
