@@ -26,6 +26,8 @@ from .settings import GIB
 
 # Stock runs only when the checkpoint, its KV cache and MLX temporaries fit with this headroom.
 STOCK_HEADROOM_BYTES = 4 * GIB
+# Decode steps of the warm-up generation that precedes each timed one.
+WARMUP_DECODE_STEPS = 8
 
 
 @dataclass
@@ -56,8 +58,11 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
     when the first token is out; decode rate is over the remaining tokens."""
     from mlx_lm.generate import generate_step
 
-    # Warm-up: the first calls compile kernels (CUDA, Metal); neither side should time that.
-    for _ in generate_step(prompt[:4], model, max_tokens=2, prefill_step_size=prefill_step):
+    # Warm-up: the first calls compile kernels (CUDA, Metal), which neither side should time. On
+    # CUDA a fresh process compiled the prefill's kernels for over a minute, so the warm-up runs
+    # a prompt of the same length (another one: the expert cache ends up as a previous request
+    # leaves it) and a few decode steps.
+    for _ in generate_step(prompt[::-1], model, max_tokens=WARMUP_DECODE_STEPS, prefill_step_size=prefill_step):
         pass
     if on_start is not None:
         on_start()
@@ -143,6 +148,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
         cache_bypass=handle.reader.cache_bypass,
         prefill_reads_per_missed_expert=_prefill_reads_per_miss(handle, at_first_token),
         lookahead=_lookahead_report(handle),
+        speculation=handle.stats()["speculation"],
         peak_rss_gb=peak_rss_bytes() / 1e9,
     )
     streamed_tokens = run["tokens"]
@@ -205,7 +211,9 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 def _prefill_reads_per_miss(handle, stats_at_first_token: dict) -> float:
     """Bytes read during prefill over the bytes of the experts it missed: 1.0 when each missing
-    expert was read once per chunk (the first token's lookahead reads add a little)."""
+    expert was read once per chunk. mlx-lm builds the first decode step before the first token
+    is out, so that step's lookahead reads and a thrown-away speculative pass's reads of
+    experts the step then did not use add a little."""
     size = {p.path: p.expert_bytes for p in handle.plans}
     layers = stats_at_first_token["layers"]
     missed = sum(layers[name]["misses"] * size[name] for name in layers)

@@ -52,6 +52,7 @@ class ExpertCache:
         self.stats = LayerStats()
         self.step = 0
         self.version = 0  # bumped whenever the expert -> slot table changes
+        self.last_needed = np.empty(0, dtype=np.int64)  # experts of the latest access
 
     def resident(self, experts: np.ndarray) -> np.ndarray:
         """Bool mask: which of `experts` sit in a slot now."""
@@ -60,6 +61,7 @@ class ExpertCache:
     def access(self, needed: np.ndarray) -> np.ndarray:
         """Record one call that uses the unique experts `needed`; return the ones missing."""
         self.step += 1
+        self.last_needed = needed
         self.stats.calls += 1
         self.policy.on_access(needed, self.step)
         hit = self.resident(needed)
@@ -71,6 +73,12 @@ class ExpertCache:
         missing = needed[~hit]
         self.stats.misses += int(missing.size)
         return missing
+
+    def count_as_misses(self, count: int) -> None:
+        """`count` experts an access counted as hits were read for that same call (a
+        speculative decode pass found them missing before the pass that kept them)."""
+        self.stats.hits -= count
+        self.stats.misses += count
 
     def place(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> np.ndarray:
         """Give each of `experts` (not resident) a slot, evicting others but never an expert in

@@ -6,10 +6,11 @@ from contextlib import contextmanager
 
 from .cache import LayerStats
 from .recorder import TraceRecorder
+from .speculation import SpeculationStats
 
 
 class StreamHandle:
-    def __init__(self, index, settings, streams, plans, reader, model, warm_start_bytes=0):
+    def __init__(self, index, settings, streams, plans, reader, model, warm_start_bytes=0, speculation=None):
         self.index = index
         self.settings = settings
         self.streams = streams  # LayerStream per streamed layer, in model order
@@ -17,6 +18,7 @@ class StreamHandle:
         self.reader = reader
         self.model = model
         self.warm_start_bytes = warm_start_bytes  # read at load to preload the trace's experts
+        self.speculation = speculation  # DecodeSpeculation, unless settings.speculate is off
 
     @property
     def model_path(self):
@@ -46,6 +48,7 @@ class StreamHandle:
             "cache_bypass": self.reader.cache_bypass,
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
+            "speculation": self.speculation.stats.as_dict() if self.speculation else None,
             "layers": layers,
         }
 
@@ -65,6 +68,8 @@ class StreamHandle:
     def reset_stats(self) -> None:
         for s in self.streams:
             s.cache.stats = LayerStats()
+        if self.speculation is not None:
+            self.speculation.stats = SpeculationStats()
         for s in self.streams:
             if s.lookahead is not None:
                 s.lookahead.restart_windows()

@@ -47,7 +47,11 @@ class LayerStream:
         self.all_resident = False
         self._table: mx.array | None = None
         self._table_version = -1
-        self.last_path = None  # "resident" | "overlap" | "sweep": what the last call did
+        # Set by DecodeSpeculation around a speculative step (streaming/speculation.py): the
+        # layer computes from the device table without a sync and leaves its routing here.
+        self.speculating = False
+        self.speculated_ids: mx.array | None = None
+        self.last_path = None  # "resident" | "overlap" | "sweep" | "skip" | "speculated"
 
     # -- pins ---------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -111,9 +115,11 @@ class LayerStream:
     def device_slots(self, indices: mx.array) -> mx.array:
         """Slot numbers for routed `indices`, gathered on the device from a copy of the table
         that is refreshed only when the table changed: a step of hits moves no new array to
-        the device (on CUDA each fresh host array costs a page-fault transfer)."""
+        the device (on CUDA each fresh host array costs a page-fault transfer). An expert not
+        in a slot maps to slot 0, so that a speculative step's miss computes garbage, not an
+        out-of-bounds read; the step is then thrown away."""
         if self._table_version != self.cache.version:
-            self._table = mx.array(self.cache.slot_of.astype(np.uint32))
+            self._table = mx.array(np.maximum(self.cache.slot_of, 0).astype(np.uint32))
             self._table_version = self.cache.version
         return self._table[indices]
 

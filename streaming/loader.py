@@ -21,6 +21,7 @@ from .handle import StreamHandle
 from .reader import ExpertReader
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
+from .speculation import DecodeSpeculation, install
 from .layer_stream import LayerStream
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
@@ -118,11 +119,16 @@ def attach(
         warm_bytes += preload(rest, trace, [by_path[s.name] for s in rest])
     for s in streams:
         s.cache.stats = LayerStats()  # the counters describe serving, not loading
+    speculation = None
+    # skip_miss_below acts where a miss is met layer by layer; a speculative pass would read it.
+    if settings.speculate and settings.skip_miss_below is None and any(not s.all_resident for s in streams):
+        speculation = DecodeSpeculation(streams)
+        install(model, speculation)
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",
         index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
     )
-    return StreamHandle(index, settings, streams, plans, reader, model, warm_bytes)
+    return StreamHandle(index, settings, streams, plans, reader, model, warm_bytes, speculation)
 
 
 def _warm_start_trace(settings, layer_paths):

@@ -45,6 +45,9 @@ class StreamSettings:
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
+    # After a decode step without misses, run the next as one graph (no sync per layer); a step
+    # that meets a miss is rewound and run again layer by layer (streaming/speculation.py).
+    speculate: bool = True
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
     # Lossy knobs, off by default: fewer experts per token, and skipping low-weight misses.

@@ -45,6 +45,11 @@ class StreamedSwitch(nn.Module):
             stream.cache.stats.calls += 1
             stream.cache.stats.resident_calls += 1
             return self.inner(x, stream.device_slots(indices))
+        if stream.speculating and indices.size == indices.shape[-1]:
+            stream.speculated_ids = indices  # checked once the whole step is built
+            y = self.inner(x, stream.device_slots(indices))
+            stream.pending.append(y)
+            return y
         stream.await_prefetch()
         single_token = indices.size == indices.shape[-1]
         look = stream.lookahead if single_token else None

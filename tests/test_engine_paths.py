@@ -52,7 +52,8 @@ def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits, slot_write):
 @pytest.mark.parametrize("slot_write", ["direct", "staged", "copy"])
 def test_decode_overlaps_hits_with_reads(checkpoints, slot_write):
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path, slots=6, prefetch=False, slot_write=slot_write)
+    # The layer-by-layer path (speculation would take most of these steps as one graph).
+    stock, streamed, handle = load_pair(path, slots=6, prefetch=False, slot_write=slot_write, speculate=False)
     layers = _streamed_layers(streamed)
     paths = []
     c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
@@ -115,7 +116,7 @@ def test_prefill_reads_each_expert_once_and_adopts_hottest(checkpoints):
 
 def test_lookahead_reports_and_switches_off(checkpoints):
     path = checkpoints("qwen3_moe", experts=32, top_k=4, layers=3)
-    stock, streamed, handle = load_pair(path, slots=8)
+    stock, streamed, handle = load_pair(path, slots=8, speculate=False)  # lookahead acts layer by layer
     layers = _streamed_layers(streamed)
     look = layers[0].stream.lookahead
     assert look is not None
@@ -136,7 +137,7 @@ def test_lookahead_reports_and_switches_off(checkpoints):
     assert not look.active, "useless guesses must switch the layer's lookahead off"
     look.probe.guess = real_guess
     # With the real probe, exactness is untouched by prefetching.
-    stock2, streamed2, handle2 = load_pair(path, slots=8)
+    stock2, streamed2, handle2 = load_pair(path, slots=8, speculate=False)
     assert_same_logits(stock2, streamed2, prompt_ids(20), decode_steps=12)
     per_layer = handle2.stats()["layers"]
     assert sum(v["guesses"] for v in per_layer.values()) > 0

@@ -1,0 +1,226 @@
+"""Speculative decode: run a whole decode step without stopping at each streamed layer.
+
+A streamed layer normally reads its routing back to the host before computing (to find misses
+and start their reads). That sync serialises host and device once per layer: on CUDA it measured
+about 1 ms per layer per token, more than a stock token costs per layer. A speculative step runs
+the way stock runs: every streamed layer maps expert ids to slots on the device (a missing expert
+maps to slot 0, a wrong but harmless expert) and the whole step is one graph. Its routing is then
+read back once and checked on the host:
+- every routed expert was resident: the step computed exactly what the layer-by-layer path
+  computes (same kernels, same slot numbers). The caches record the accesses; done.
+- some expert was missing: the step is thrown away and the KV and state caches rewound
+  (streaming/rewind.py). The missing experts the step saw are read (those of the first layer
+  that missed are certain; later layers saw a slightly wrong input, so theirs are likely), and
+  the step runs again speculatively. After MAX_PASSES thrown-away passes it runs layer by layer.
+Nothing the expert caches do depends on a thrown-away pass except which experts they hold, so
+the output is exactly the layer-by-layer path's, which is exactly stock's.
+
+Speculation pays while a speculative step, thrown-away passes included, costs less than a
+layer-by-layer step: on CUDA a pass measured about a quarter of a layer-by-layer step; on a CPU,
+where a sync costs little, about the same. Both are timed as the model runs (one decode step in
+EXPLORE_EVERY runs layer by layer to keep its time current) and speculation pauses while it loses.
+A step that cannot be rewound (a wrapped sliding-window cache, batched state) is not speculated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .rewind import rewind_point
+
+# Speculative passes of one step before it runs layer by layer.
+MAX_PASSES = 3
+# Weight of the newest sample in the moving averages of step times.
+EWMA = 0.1
+# One decode step in this many runs layer by layer, to keep that path's time current.
+EXPLORE_EVERY = 64
+# Decode steps run layer by layer once speculation lost, before it is tried again.
+PAUSE_STEPS = 64
+
+
+@dataclass
+class SpeculationStats:
+    steps: int = 0  # decode steps that ended with a kept speculative pass
+    passes_thrown: int = 0  # speculative passes thrown away for a miss (and rerun)
+    fallbacks: int = 0  # steps that ran layer by layer after MAX_PASSES thrown-away passes
+    layered: int = 0  # decode steps run layer by layer by choice (exploring, paused)
+    not_rewindable: int = 0  # decode steps run layer by layer because a cache has no way back
+    paused: int = 0  # times speculation lost against layer by layer and paused
+    # Moving averages of seconds per decode step, speculative (all its passes) and layer by layer.
+    t_speculative: Optional[float] = None
+    t_layer_by_layer: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ewma(old: Optional[float], sample: float) -> float:
+    return sample if old is None else old + EWMA * (sample - old)
+
+
+class DecodeSpeculation:
+    """Runs each decode step of one model speculatively while that pays (see module doc)."""
+
+    def __init__(self, streams, adaptive: bool = True):
+        self.streams = streams
+        self.adaptive = adaptive  # False: speculate every decode step that can be rewound
+        self.stats = SpeculationStats()
+        self._pause = 0
+        self._decode_steps = 0
+
+    def forward(self, run, inputs, cache):
+        """Run one forward pass (`run()` calls the model), speculatively when it is a decode
+        step worth it."""
+        if not self._decode_step(inputs):
+            return run()
+        self._decode_steps += 1
+        if not self._speculate_now():
+            self.stats.layered += 1
+            return self._timed_layer_by_layer(run)
+        rewind = rewind_point(cache, 1)
+        if rewind is None:
+            self.stats.not_rewindable += 1
+            return run()
+        t0 = time.perf_counter()
+        out = self._speculate(run, rewind)
+        self.stats.t_speculative = _ewma(self.stats.t_speculative, time.perf_counter() - t0)
+        self._judge()
+        return out
+
+    def _decode_step(self, inputs) -> bool:
+        """One token, and no benchmark or recording mode that needs the layer-by-layer path."""
+        first = self.streams[0]
+        return (
+            isinstance(inputs, mx.array) and inputs.size == 1
+            and not first.forced_hits and first.recorder is None
+        )
+
+    def _speculate_now(self) -> bool:
+        if not self.adaptive:
+            return True
+        if self._pause:
+            self._pause -= 1
+            return False
+        return self._decode_steps % EXPLORE_EVERY != 0
+
+    def _judge(self) -> None:
+        st = self.stats
+        if self.adaptive and st.t_layer_by_layer is not None and st.t_speculative > st.t_layer_by_layer:
+            st.paused += 1
+            st.t_speculative = None  # judged afresh after the pause
+            self._pause = PAUSE_STEPS
+
+    def _timed_layer_by_layer(self, run):
+        t0 = time.perf_counter()
+        out = run()
+        self.stats.t_layer_by_layer = _ewma(self.stats.t_layer_by_layer, time.perf_counter() - t0)
+        return out
+
+    def _speculate(self, run, rewind):
+        fetched = {}  # stream -> experts read for this step by a thrown-away pass
+        for _ in range(MAX_PASSES):
+            for s in self.streams:
+                s.await_prefetch()
+                s.speculating = True
+            try:
+                out = run()
+            finally:
+                for s in self.streams:
+                    s.speculating = False
+            missing = self._check(fetched)
+            if not missing:
+                self.stats.steps += 1
+                return out
+            del out
+            rewind()
+            self.stats.passes_thrown += 1
+            self._fetch(missing, fetched)
+        self.stats.fallbacks += 1
+        out = run()
+        self._count_late_reads(fetched)
+        return out
+
+    def _check(self, fetched) -> dict:
+        """Read the pass's routing back (one sync). All resident: record the accesses and
+        return {}. Else drop what the pass left and return {stream: (needed, missing)}."""
+        used = [s for s in self.streams if s.speculated_ids is not None]
+        if not used:
+            return {}
+        routed = np.array(mx.stack([s.speculated_ids.reshape(-1) for s in used]))
+        needed = [np.unique(ids) for ids in routed]
+        absent = [n[~s.cache.resident(n)] for s, n in zip(used, needed)]
+        for s in used:
+            s.speculated_ids = None
+        if any(a.size for a in absent):
+            for s in used:
+                s.pending.pop()  # its graph was evaluated by the routing, or is dropped now
+            return {s: (n, a) for s, n, a in zip(used, needed, absent) if a.size}
+        # Earlier outputs of these layers are ancestors of the routing just evaluated: only
+        # each layer's newest output can still be running.
+        settled = [p for s in used for p in s.pending[:-1]]
+        if settled:
+            mx.eval(settled)
+        for s, n in zip(used, needed):
+            s.pending = s.pending[-1:]
+            s.cache.access(n)
+            s.last_path = "speculated"
+        self._count_late_reads(fetched)
+        return {}
+
+    @staticmethod
+    def _count_late_reads(fetched: dict) -> None:
+        """Experts read for this step by a thrown-away pass were misses of the step, although
+        the pass that kept it found them resident."""
+        for s, late in fetched.items():
+            s.cache.count_as_misses(int(np.isin(s.cache.last_needed, late).sum()))
+
+    def _fetch(self, missing: dict, fetched: dict) -> None:
+        """Read the experts a thrown-away pass found missing, all layers' reads in flight at once."""
+        reads = [(s, s.start_reads(a, protected=n)) for s, (n, a) in missing.items()]
+        for s, r in reads:
+            s.finish_reads(r)
+        for s, (_, a) in missing.items():
+            fetched[s] = a if s not in fetched else np.union1d(fetched[s], a)
+
+
+_SPECULATING_CLASSES: dict[type, type] = {}
+
+
+def install(model: nn.Module, speculation: DecodeSpeculation) -> None:
+    """Route `model(...)` calls through `speculation`. The model keeps its class's behaviour
+    (it becomes an instance of a subclass that only wraps __call__), so hosts that call it,
+    check its type or read its attributes see the stock model."""
+    base = type(model)
+    if base in _SPECULATING_CLASSES.values():
+        model._expert_stream_speculation = speculation
+        return
+    sub = _SPECULATING_CLASSES.get(base)
+    if sub is None:
+        sub = _speculating_subclass(base)
+        _SPECULATING_CLASSES[base] = sub
+    model._expert_stream_speculation = speculation
+    model.__class__ = sub
+
+
+def _speculating_subclass(base: type) -> type:
+    signature = inspect.signature(base.__call__)
+    params = list(signature.parameters)
+    inputs_name = params[1] if len(params) > 1 else None
+
+    def __call__(self, *args, **kwargs):
+        call = super(sub, self).__call__
+        bound = signature.bind(self, *args, **kwargs)
+        return self._expert_stream_speculation.forward(
+            lambda: call(*args, **kwargs), bound.arguments.get(inputs_name), bound.arguments.get("cache")
+        )
+
+    sub = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    sub.__qualname__ = base.__qualname__
+    return sub
