@@ -108,7 +108,8 @@ class DecodeSpeculation:
         if self._pause:
             self._pause -= 1
             return False
-        return self._decode_steps % EXPLORE_EVERY != 0
+        # The model's first decode step explores, so that both times are known early on.
+        return self._decode_steps % EXPLORE_EVERY != 1
 
     def _judge(self) -> None:
         st = self.stats

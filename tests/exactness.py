@@ -29,7 +29,8 @@ def prompt_ids(n: int, vocab: int = 500, seed: int = 0) -> mx.array:
 
 
 def assert_same_logits(stock, streamed, prompt: mx.array, decode_steps: int = 8, chunk: int | None = None):
-    """Prefill `prompt` (in chunks if given) then decode greedily; every logit bitwise equal."""
+    """Prefill `prompt` (in chunks if given) then decode greedily; every logit bitwise equal.
+    Returns the streamed model's caches."""
     c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
     n = prompt.shape[1]
     step = chunk or n
@@ -44,3 +45,4 @@ def assert_same_logits(stock, streamed, prompt: mx.array, decode_steps: int = 8,
         mx.eval(a, b)
         assert mx.array_equal(a, b).item(), f"decode step {i}: logits differ"
         token = mx.argmax(a[:, -1:], axis=-1)
+    return c2

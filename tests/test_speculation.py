@@ -9,24 +9,14 @@ import pytest
 from mlx_lm.models import cache as kinds
 from mlx_lm.models.cache import make_prompt_cache
 
-from exactness import load_pair, prompt_ids
+from exactness import assert_same_logits, load_pair, prompt_ids
 from expert_stream.streaming.footprint import checkpoint_footprint
 from expert_stream.streaming.rewind import rewind_point
 
 
 def decode_side_by_side(stock, streamed, prompt_len=20, steps=40, seed=1):
     """Prefill, then greedy decode; every step's logits must be bitwise equal."""
-    c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
-    prompt = prompt_ids(prompt_len, seed=seed)
-    a, b = stock(prompt, cache=c1), streamed(prompt, cache=c2)
-    assert mx.array_equal(a, b).item(), "prefill logits differ"
-    token = mx.argmax(a[:, -1:], axis=-1)
-    for i in range(steps):
-        a, b = stock(token, cache=c1), streamed(token, cache=c2)
-        mx.eval(a, b)
-        assert mx.array_equal(a, b).item(), f"decode step {i}: logits differ"
-        token = mx.argmax(a[:, -1:], axis=-1)
-    return c2
+    return assert_same_logits(stock, streamed, prompt_ids(prompt_len, seed=seed), decode_steps=steps)
 
 
 def slots_for(path, share):
@@ -150,3 +140,15 @@ def test_rewind_restores_offsets_and_state():
     assert kv.offset == 5 and state[0] is before
     keys, _ = kv.update_and_fetch(mx.full((1, 1, 1, 2), 3.0), mx.full((1, 1, 1, 2), 3.0))
     assert keys.shape[2] == 6 and keys[0, 0, 5, 0].item() == 3.0
+
+
+def test_pauses_when_it_loses(checkpoints):
+    """With one token's experts per layer nearly every pass misses: speculative steps cost
+    several passes plus reads, more than the layer-by-layer step timed first, so it pauses."""
+    path = checkpoints("qwen3_moe")
+    stock, streamed, handle = load_pair(path)
+    decode_side_by_side(stock, streamed, steps=10)
+    spec = handle.stats()["speculation"]
+    assert spec["layered"] >= 1 and spec["t_layer_by_layer"] is not None  # the first step explores
+    assert spec["paused"] >= 1, spec
+    handle.close()
