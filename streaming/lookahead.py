@@ -161,10 +161,10 @@ def _window_failed(now, start, size, min_share) -> bool:
 
 def resolve_prefetch(setting) -> bool:
     """The `prefetch` setting; None ("auto") is on, except on CUDA, where speculative reads
-    measured harmful on an H200 (Qwen3-30B-A3B shape, quarter budget, one lease: decode 11.6
-    tok/s with them, 16.8 without). That run was the lease's first, and a later lease showed
-    a fresh process compiling CUDA kernels for over a minute (prefill 6 tok/s, as in that run),
-    so the verdict may be the compiler's; it stands until measured again. With speculative
+    measured harmful on an H200 (Qwen3-30B-A3B shape, quarter budget, layer-by-layer decode):
+    11.9 tok/s with them against 14.8-16.9 without (other leases), reading 11.6 MB per token
+    instead of 4.2 (225 speculative reads, 90 used). Prefill was not hurt (89 tok/s); the 6
+    tok/s once blamed on them was a fresh process compiling CUDA kernels. With speculative
     decode (streaming/speculation.py) most CUDA steps skip the layer-by-layer path anyway."""
     if setting is not None:
         return bool(setting)

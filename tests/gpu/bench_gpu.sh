@@ -1,4 +1,5 @@
-# Usage (device): bash tests/gpu/bench_gpu.sh OUTDIR   (env RUNS: which of quarter quarter-layered full;
+# Usage (device): bash tests/gpu/bench_gpu.sh OUTDIR   (env RUNS: which of quarter quarter-layered
+# quarter-lookahead full;
 # PROF=1 first profiles speculative decode with prof_spec.py)
 set -u
 OUT=$1; CK=/tmp/q30-48; ES="python3 -m expert_stream.plugin.cli"; t0=$(date +%s)
@@ -14,5 +15,6 @@ if [ -n "${PROF:-}" ]; then python3 tests/gpu/prof_spec.py $CK $QUARTER > $OUT/p
 for R in ${RUNS:-quarter quarter-layered full}; do case $R in
   quarter) run quarter --budget-gib $QUARTER --stock yes;;
   quarter-layered) run quarter-layered --budget-gib $QUARTER --stock no --set speculate=false;;
+  quarter-lookahead) run quarter-lookahead --budget-gib $QUARTER --stock no --set speculate=false --set prefetch=true;;
   full) run full --budget-gib $FULL --stock yes;;
 esac; done
