@@ -68,7 +68,7 @@ class LayerStream:
             dests = [target.destinations(int(s)) for s in slots]
         else:
             staged = target.staging(len(slots))
-            dests = [[block[i] for block in staged] for i in range(len(slots))]
+            dests = [[block[i] for block in staged.blocks] for i in range(len(slots))]
         # Offsets come from this layer's tensors: a scratch target is shared by layers whose
         # tensors have the same shapes, so its own `tensors` may describe another layer.
         requests = [
@@ -90,6 +90,7 @@ class LayerStream:
         try:
             result = reads.future.result()
         except Exception as exc:
+            reads.target.release(reads.staged)
             if reads.target is self.slots:
                 self.cache.drop(reads.experts)
             if isinstance(exc, ReadError):

@@ -41,12 +41,13 @@ class StreamSettings:
     cache_bypass: str = "auto"
     # How misses reach the slots: "auto" (direct on CPU and Metal, staged on CUDA), "direct"
     # (reader threads write slot memory), "staged" (host buffers, then one memcpy on the compute
-    # thread), or "copy" (host buffers, then an MLX scatter). See streaming/slots.py.
+    # thread), "cuda" (page-locked host buffers, then a CUDA driver copy) or "copy" (host
+    # buffers, then an MLX scatter). See streaming/slots.py.
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
-    # After a decode step without misses, run the next as one graph (no sync per layer); a step
-    # that meets a miss is rewound and run again layer by layer (streaming/speculation.py).
+    # Run a decode step as one graph (no sync per layer) and check its routing once; a step that
+    # met a miss is rewound, its misses read, and run again (streaming/speculation.py).
     speculate: bool = True
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
@@ -66,7 +67,7 @@ class StreamSettings:
             raise SettingsError("reader_threads must be >= 1")
         _check_choice("reader", self.reader, ("auto", "native", "python"))
         _check_choice("cache_bypass", self.cache_bypass, ("auto", "direct", "fadvise", "nocache", "none"))
-        _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "copy"))
+        _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "cuda", "copy"))
         if self.top_k_override is not None and self.top_k_override < 1:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:

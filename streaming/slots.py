@@ -2,7 +2,7 @@
 MLX array with `num_slots` rows in place of `num_experts`, so the stock SwitchGLU / SwitchMLP
 computes on slots exactly as it computes on experts (the kernels only gather rows).
 
-Three ways to fill a slot; MLX arrays are made and evaluated on the compute thread only:
+Four ways to fill a slot; MLX arrays are made and evaluated on the compute thread only:
 - direct: the reader writes the expert's bytes straight into the slot rows through a writable
   byte view of the evaluated slot array; zero copies. For memory the CPU owns or shares
   coherently with the GPU (CPU backend, Metal's unified memory).
@@ -10,17 +10,26 @@ Three ways to fill a slot; MLX arrays are made and evaluated on the compute thre
   rows (one memcpy) once no kernel reads the arrays. For CUDA, whose host-visible arrays are
   managed memory: reader threads writing managed pages while kernels run stalled every sync
   (measured on an H200: 28 ms per host read of a routing result, decode 9.4 vs 15.7 tok/s).
+- cuda: page-locked host buffers, then a CUDA driver copy into the slot rows, which stay on the
+  GPU (streaming/cuda_copy.py): a staged write moves the slot's pages to the host and back,
+  about 25 times slower per expert on an H200. Opt-in: its one bitwise check on the GPU
+  (tests/gpu/exact_gpu.py, small bf16 models) found prefill logits that differ from stock, and
+  the same check with staged writes has not run yet, so whether the copy or CUDA's kernels at
+  those shapes cause it is open.
 - copy: staging buffers, then an MLX scatter into the slot arrays (portable fallback).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
+from . import cuda_copy
 from .checkpoint import TensorInfo
+from .errors import SettingsError
 
 # safetensors dtype -> MLX dtype
 MX_DTYPES = {
@@ -64,13 +73,24 @@ def expert_bytes(tensors: list[ExpertTensor]) -> int:
 
 
 def resolve_slot_write(mode: str) -> str:
-    """'auto' -> 'staged' on CUDA, 'direct' elsewhere (see the module docstring)."""
+    """'auto' -> 'staged' on CUDA, 'direct' elsewhere (see the module docstring; 'cuda' is
+    faster but opt-in until a GPU run shows it bitwise exact)."""
     if mode != "auto":
         return mode
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
         return "staged"
     return "direct"
+
+
+class Staging:
+    """Host rows of a batch of experts on their way into slots: `blocks[t]` is tensor t's
+    (count, row_bytes) array; `buffer` the page-locked memory they are cut from (cuda mode)."""
+
+    __slots__ = ("blocks", "buffer")
+
+    def __init__(self, blocks: list[np.ndarray], buffer: Optional[np.ndarray] = None):
+        self.blocks, self.buffer = blocks, buffer
 
 
 class ExpertSlots:
@@ -81,7 +101,12 @@ class ExpertSlots:
         self.arrays = {t.leaf: mx.zeros((num_slots, *t.row_shape), dtype=t.mx_dtype) for t in tensors}
         mx.eval(list(self.arrays.values()))
         self._views = {}
-        if write_mode in ("direct", "staged"):
+        self._copier = None
+        if write_mode == "cuda":
+            self._copier = cuda_copy.copier()
+            if self._copier is None:
+                raise SettingsError(f"slot_write 'cuda' needs the CUDA driver: {cuda_copy.why_unavailable()}")
+        if write_mode in ("direct", "staged", "cuda"):
             for t in tensors:
                 raw = self.arrays[t.leaf].reshape(num_slots, -1).view(mx.uint8)
                 mx.eval(raw)
@@ -98,24 +123,47 @@ class ExpertSlots:
         """Direct mode: the slot's own bytes, one writable buffer per tensor."""
         return [self._views[t.leaf][slot] for t in self.tensors]
 
-    def staging(self, count: int) -> list[np.ndarray]:
-        """Copy mode: one (count, row_bytes) block per tensor, filled by the reader row by row,
-        so that a batch of experts reaches MLX in one transfer and one scatter per tensor."""
-        return [np.empty((count, t.row_bytes), dtype=np.uint8) for t in self.tensors]
+    def staging(self, count: int) -> Staging:
+        """Staged, cuda and copy modes: one (count, row_bytes) block per tensor, filled by the
+        reader row by row, so that a batch of experts reaches MLX in one transfer per tensor."""
+        if self._copier is None:
+            return Staging([np.empty((count, t.row_bytes), dtype=np.uint8) for t in self.tensors])
+        # Page-locked memory is pooled by size: round the batch up so that sizes repeat.
+        rows = 1 << (count - 1).bit_length()
+        buffer = self._copier.host_buffer(rows * expert_bytes(self.tensors))
+        blocks, start = [], 0
+        for t in self.tensors:
+            blocks.append(buffer[start:start + count * t.row_bytes].reshape(count, t.row_bytes))
+            start += rows * t.row_bytes
+        return Staging(blocks, buffer)
 
-    def commit(self, slots: np.ndarray, staged: list[np.ndarray] | None) -> None:
-        """After the reads finished: copy mode writes the staged rows into the slot arrays. Runs
-        on the compute thread; no pending graph may read these arrays (the caller settles them)."""
+    def release(self, staged: Optional[Staging]) -> None:
+        """The staged rows are no longer needed (committed, or their reads failed)."""
+        if staged is not None and staged.buffer is not None:
+            buffer, staged.buffer, staged.blocks = staged.buffer, None, []
+            self._copier.give_back(buffer)
+
+    def commit(self, slots: np.ndarray, staged: Optional[Staging]) -> None:
+        """After the reads finished: write the staged rows into the slot arrays. Runs on the
+        compute thread; no pending graph may read these arrays (the caller settles them)."""
         if self.write_mode == "direct" or staged is None:
             return
+        if self.write_mode == "cuda":
+            self._copier.copy_rows(
+                (self._views[t.leaf].__array_interface__["data"][0] + int(slot) * t.row_bytes, block[i])
+                for t, block in zip(self.tensors, staged.blocks)
+                for i, slot in enumerate(slots)
+            )
+            self.release(staged)
+            return
         if self.write_mode == "staged":
-            for t, block in zip(self.tensors, staged):
+            for t, block in zip(self.tensors, staged.blocks):
                 view = self._views[t.leaf]
                 for i, slot in enumerate(slots):
                     view[int(slot)] = block[i]
             return
         where = mx.array(np.asarray(slots, dtype=np.uint32))
-        for t, block in zip(self.tensors, staged):
+        for t, block in zip(self.tensors, staged.blocks):
             rows = mx.array(block).view(t.mx_dtype).reshape(len(slots), *t.row_shape)
             self.arrays[t.leaf][where] = rows
         mx.eval(list(self.arrays.values()))

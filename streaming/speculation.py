@@ -11,14 +11,17 @@ read back once and checked on the host:
 - some expert was missing: the step is thrown away and the KV and state caches rewound
   (streaming/rewind.py). The missing experts the step saw are read (those of the first layer
   that missed are certain; later layers saw a slightly wrong input, so theirs are likely), and
-  the step runs again speculatively. After MAX_PASSES thrown-away passes it runs layer by layer.
+  the step runs again speculatively from the first decoder layer that missed: the layers below
+  it replay what they computed (streaming/layer_replay.py). After MAX_PASSES thrown-away passes
+  the step runs layer by layer.
 Nothing the expert caches do depends on a thrown-away pass except which experts they hold, so
 the output is exactly the layer-by-layer path's, which is exactly stock's.
 
 Speculation pays while a speculative step, thrown-away passes included, costs less than a
 layer-by-layer step: on CUDA a pass measured about a quarter of a layer-by-layer step; on a CPU,
 where a sync costs little, about the same. Both are timed as the model runs (one decode step in
-EXPLORE_EVERY runs layer by layer to keep its time current) and speculation pauses while it loses.
+EXPLORE_EVERY runs layer by layer to keep its time current) and, judged over at least JUDGE_AFTER
+speculative steps, speculation pauses while it loses.
 A step that cannot be rewound (a wrapped sliding-window cache, batched state) is not speculated.
 """
 
@@ -33,12 +36,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import layer_replay
+from .call_wrap import wrap_call
 from .rewind import rewind_point
 
 # Speculative passes of one step before it runs layer by layer.
 MAX_PASSES = 3
-# Weight of the newest sample in the moving averages of step times.
+# Weight of the newest sample in the moving averages of step times (a plain mean over the
+# first 1 / EWMA samples).
 EWMA = 0.1
+# Speculative steps timed before speculation is judged: one step that met a miss costs two
+# passes and its reads, and must not pause it by itself.
+JUDGE_AFTER = 8
 # One decode step in this many runs layer by layer, to keep that path's time current.
 EXPLORE_EVERY = 64
 # Decode steps run layer by layer once speculation lost, before it is tried again.
@@ -53,6 +62,7 @@ class SpeculationStats:
     layered: int = 0  # decode steps run layer by layer by choice (exploring, paused)
     not_rewindable: int = 0  # decode steps run layer by layer because a cache has no way back
     paused: int = 0  # times speculation lost against layer by layer and paused
+    layers_replayed: int = 0  # decoder layers a rerun took from the thrown pass instead of computing
     # Moving averages of seconds per decode step, speculative (all its passes) and layer by layer.
     t_speculative: Optional[float] = None
     t_layer_by_layer: Optional[float] = None
@@ -61,8 +71,9 @@ class SpeculationStats:
         return asdict(self)
 
 
-def _ewma(old: Optional[float], sample: float) -> float:
-    return sample if old is None else old + EWMA * (sample - old)
+def _average(old: Optional[float], sample: float, n: int) -> float:
+    """Moving average after its `n`-th sample."""
+    return sample if old is None else old + max(EWMA, 1.0 / n) * (sample - old)
 
 
 class DecodeSpeculation:
@@ -71,9 +82,11 @@ class DecodeSpeculation:
     def __init__(self, streams, adaptive: bool = True):
         self.streams = streams
         self.adaptive = adaptive  # False: speculate every decode step that can be rewound
+        self.replay = None  # layer_replay.StepReplay, set by install() when the model allows it
         self.stats = SpeculationStats()
         self._pause = 0
         self._decode_steps = 0
+        self._samples = {"speculative": 0, "layer_by_layer": 0}  # since each average restarted
 
     def forward(self, run, inputs, cache):
         """Run one forward pass (`run()` calls the model), speculatively when it is a decode
@@ -89,10 +102,17 @@ class DecodeSpeculation:
             self.stats.not_rewindable += 1
             return run()
         t0 = time.perf_counter()
-        out = self._speculate(run, rewind)
-        self.stats.t_speculative = _ewma(self.stats.t_speculative, time.perf_counter() - t0)
+        out = self._speculate(run, rewind, cache)
+        self._time("speculative", time.perf_counter() - t0)
         self._judge()
         return out
+
+    def _time(self, path: str, seconds: float) -> None:
+        st, key = self.stats, f"t_{path}"
+        if getattr(st, key) is None:
+            self._samples[path] = 0
+        self._samples[path] += 1
+        setattr(st, key, _average(getattr(st, key), seconds, self._samples[path]))
 
     def _decode_step(self, inputs) -> bool:
         """One token, and no benchmark or recording mode that needs the layer-by-layer path."""
@@ -113,7 +133,10 @@ class DecodeSpeculation:
 
     def _judge(self) -> None:
         st = self.stats
-        if self.adaptive and st.t_layer_by_layer is not None and st.t_speculative > st.t_layer_by_layer:
+        if (
+            self.adaptive and st.t_layer_by_layer is not None
+            and self._samples["speculative"] >= JUDGE_AFTER and st.t_speculative > st.t_layer_by_layer
+        ):
             st.paused += 1
             st.t_speculative = None  # judged afresh after the pause
             self._pause = PAUSE_STEPS
@@ -121,59 +144,87 @@ class DecodeSpeculation:
     def _timed_layer_by_layer(self, run):
         t0 = time.perf_counter()
         out = run()
-        self.stats.t_layer_by_layer = _ewma(self.stats.t_layer_by_layer, time.perf_counter() - t0)
+        self._time("layer_by_layer", time.perf_counter() - t0)
         return out
 
-    def _speculate(self, run, rewind):
+    def _speculate(self, run, rewind, cache):
         fetched = {}  # stream -> experts read for this step by a thrown-away pass
-        for _ in range(MAX_PASSES):
-            for s in self.streams:
-                s.await_prefetch()
-                s.speculating = True
-            try:
-                out = run()
-            finally:
-                for s in self.streams:
-                    s.speculating = False
-            missing = self._check(fetched)
-            if not missing:
-                self.stats.steps += 1
-                return out
-            del out
-            rewind()
-            self.stats.passes_thrown += 1
-            self._fetch(missing, fetched)
+        verified = {}  # stream -> experts it needs, checked in a pass whose layer is replayed
+        replay, replay_below = self.replay, 0
+        if replay is not None:
+            replay.start_step()
+        try:
+            for _ in range(MAX_PASSES):
+                out = self._pass(run, replay_below)
+                needed, absent = self._routing()
+                if not absent:
+                    self._keep(needed, verified, fetched)
+                    self.stats.steps += 1
+                    return out
+                del out
+                for s in needed:
+                    s.pending.pop()  # its graph was evaluated by the routing, or is dropped now
+                rewind()
+                self.stats.passes_thrown += 1
+                self._fetch({s: (needed[s], a) for s, a in absent.items()}, fetched)
+                if replay is not None:
+                    replay_below = replay.first_missed_layer(absent, cache)
+                    if replay_below == 0:
+                        verified = {}
+                    verified.update((s, n) for s, n in needed.items() if replay.layer_of[s] < replay_below)
+        finally:
+            if replay is not None:
+                replay.clear()
         self.stats.fallbacks += 1
         out = run()
         self._count_late_reads(fetched)
         return out
 
-    def _check(self, fetched) -> dict:
-        """Read the pass's routing back (one sync). All resident: record the accesses and
-        return {}. Else drop what the pass left and return {stream: (needed, missing)}."""
+    def _pass(self, run, replay_below: int):
+        """One speculative pass; decoder layers below `replay_below` replay the last pass."""
+        replay = self.replay
+        for s in self.streams:
+            s.await_prefetch()
+            s.speculating = True
+        if replay is not None:
+            replay.start_pass(replay_below)
+            replay.active = True
+            self.stats.layers_replayed += replay_below
+        try:
+            return run()
+        finally:
+            for s in self.streams:
+                s.speculating = False
+            if replay is not None:
+                replay.active = False
+
+    def _routing(self):
+        """Read the pass's routing back (one sync): ({stream: experts it needs}, {stream:
+        those not resident}) for the streamed layers the pass computed."""
         used = [s for s in self.streams if s.speculated_ids is not None]
         if not used:
-            return {}
+            return {}, {}
         routed = np.array(mx.stack([s.speculated_ids.reshape(-1) for s in used]))
-        needed = [np.unique(ids) for ids in routed]
-        absent = [n[~s.cache.resident(n)] for s, n in zip(used, needed)]
         for s in used:
             s.speculated_ids = None
-        if any(a.size for a in absent):
-            for s in used:
-                s.pending.pop()  # its graph was evaluated by the routing, or is dropped now
-            return {s: (n, a) for s, n, a in zip(used, needed, absent) if a.size}
+        needed = {s: np.unique(ids) for s, ids in zip(used, routed)}
+        absent = {s: n[~s.cache.resident(n)] for s, n in needed.items()}
+        return needed, {s: a for s, a in absent.items() if a.size}
+
+    def _keep(self, needed: dict, verified: dict, fetched: dict) -> None:
+        """The pass is the step: settle its layers' outputs and record every layer's accesses
+        (replayed layers were checked in an earlier pass)."""
         # Earlier outputs of these layers are ancestors of the routing just evaluated: only
         # each layer's newest output can still be running.
-        settled = [p for s in used for p in s.pending[:-1]]
+        settled = [p for s in needed for p in s.pending[:-1]]
         if settled:
             mx.eval(settled)
-        for s, n in zip(used, needed):
+        for s in needed:
             s.pending = s.pending[-1:]
+        for s, n in {**verified, **needed}.items():
             s.cache.access(n)
             s.last_path = "speculated"
         self._count_late_reads(fetched)
-        return {}
 
     @staticmethod
     def _count_late_reads(fetched: dict) -> None:
@@ -195,33 +246,23 @@ _SPECULATING_CLASSES: dict[type, type] = {}
 
 
 def install(model: nn.Module, speculation: DecodeSpeculation) -> None:
-    """Route `model(...)` calls through `speculation`. The model keeps its class's behaviour
-    (it becomes an instance of a subclass that only wraps __call__), so hosts that call it,
-    check its type or read its attributes see the stock model."""
-    base = type(model)
-    if base in _SPECULATING_CLASSES.values():
-        model._expert_stream_speculation = speculation
-        return
-    sub = _SPECULATING_CLASSES.get(base)
-    if sub is None:
-        sub = _speculating_subclass(base)
-        _SPECULATING_CLASSES[base] = sub
+    """Route `model(...)` calls through `speculation` (streaming/call_wrap.py: hosts that call
+    the model, check its type or read its attributes see the stock model), and let its decoder
+    layers replay a thrown pass where the model allows it."""
+    speculation.replay = layer_replay.build(model, speculation.streams)
     model._expert_stream_speculation = speculation
-    model.__class__ = sub
+    wrap_call(model, _SPECULATING_CLASSES, _around_model)
 
 
-def _speculating_subclass(base: type) -> type:
+def _around_model(base: type):
     signature = inspect.signature(base.__call__)
     params = list(signature.parameters)
     inputs_name = params[1] if len(params) > 1 else None
 
-    def __call__(self, *args, **kwargs):
-        call = super(sub, self).__call__
-        bound = signature.bind(self, *args, **kwargs)
-        return self._expert_stream_speculation.forward(
+    def around(model, call, args, kwargs):
+        bound = signature.bind(model, *args, **kwargs)
+        return model._expert_stream_speculation.forward(
             lambda: call(*args, **kwargs), bound.arguments.get(inputs_name), bound.arguments.get("cache")
         )
 
-    sub = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
-    sub.__qualname__ = base.__qualname__
-    return sub
+    return around

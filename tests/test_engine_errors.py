@@ -133,6 +133,12 @@ def test_bad_settings(ckpt, settings, message):
         expert_stream.load(ckpt, **settings)
 
 
+@pytest.mark.skipif(hasattr(mx, "cuda") and mx.cuda.is_available(), reason="CUDA is there")
+def test_cuda_slot_writes_without_cuda(ckpt):
+    with pytest.raises(SettingsError, match="slot_write 'cuda' needs the CUDA driver: .*libcuda"):
+        expert_stream.load(ckpt, budget_gib=1, slot_write="cuda")
+
+
 def test_io_error_during_decode_names_layer_and_file(ckpt):
     fp = checkpoint_footprint(ckpt)
     model, _, handle = expert_stream.load(ckpt, budget_gib=fp.min_budget_gib, prefetch=False)
