@@ -14,8 +14,9 @@ Four ways to fill a slot; MLX arrays are made and evaluated on the compute threa
   GPU (streaming/cuda_copy.py): a staged write moves the slot's pages to the host and back,
   about 25 times slower per expert on an H200. Opt-in: its one bitwise check on the GPU
   (tests/gpu/exact_gpu.py, small bf16 models) found prefill logits that differ from stock, and
-  the same check with staged writes has not run yet, so whether the copy or CUDA's kernels at
-  those shapes cause it is open.
+  the same check with staged writes and of stock against itself has not run yet. MLX's CUDA
+  4-bit matmul at 8 rows or more is reported to differ between identical calls
+  (lablup/mlxcel#910), which would explain it.
 - copy: staging buffers, then an MLX scatter into the slot arrays (portable fallback).
 """
 

@@ -153,7 +153,7 @@ def test_pauses_only_when_it_loses(checkpoints, layered_seconds, pauses):
     stock, streamed, handle = load_pair(path)
     spec = handle.speculation
     timed = spec._time
-    spec._time = lambda path, s: timed(path, layered_seconds if path == "layer_by_layer" else s)
+    spec._time = lambda which, s: timed(which, layered_seconds if which == "layer_by_layer" else s)
     decode_side_by_side(stock, streamed, steps=1 + speculation.JUDGE_AFTER + 3)
     st = handle.stats()["speculation"]
     assert st["t_layer_by_layer"] == layered_seconds  # the first step explored
