@@ -250,25 +250,16 @@ def _boyle_patch_io(mode, rep):
     page = os.sysconf("SC_PAGESIZE")
     align = 4096
     state = {"mode": mode, "refused": None}
-    fds, dfds = {}, {}
+    fds = {}  # (shard, open flags) -> fd, shared by the reader threads
     lock = threading.Lock()
 
-    def _fd(shard):
-        fd = fds.get(shard)
+    def _fd(shard, flags=os.O_RDONLY):
+        fd = fds.get((shard, flags))
         if fd is None:
             with lock:
-                fd = fds.get(shard)
+                fd = fds.get((shard, flags))
                 if fd is None:
-                    fd = fds[shard] = os.open(shard, os.O_RDONLY)
-        return fd
-
-    def _dfd(shard):
-        fd = dfds.get(shard)
-        if fd is None:
-            with lock:
-                fd = dfds.get(shard)
-                if fd is None:
-                    fd = dfds[shard] = os.open(shard, os.O_RDONLY | os.O_DIRECT)
+                    fd = fds[(shard, flags)] = os.open(shard, flags)
         return fd
 
     def read_raw(self, name, start_elem, n_elems, out_shape):
@@ -283,7 +274,7 @@ def _boyle_patch_io(mode, rep):
             a1 = -(-(start + n_bytes) // align) * align
             buf = mmap.mmap(-1, a1 - a0)                      # page-aligned anonymous buffer
             try:
-                got = os.preadv(_dfd(shard), [buf], a0)
+                got = os.preadv(_fd(shard, os.O_RDONLY | os.O_DIRECT), [buf], a0)
                 if got < start + n_bytes - a0:
                     raise OSError("short O_DIRECT read")
                 raw = np.frombuffer(buf, dtype=np.uint8)[start - a0:start - a0 + n_bytes].copy()
