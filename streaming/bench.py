@@ -143,6 +143,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
         bytes_per_prompt_token=prefill_stats.get("bytes_read", 0) / cfg.prompt_tokens,
         read_wait_per_token_s=decode["read_seconds"] / decode_tokens,
         slots_per_layer=[s.cache.num_slots for s in handle.streams],
+        decode_misses_per_layer=_decode_misses_per_layer(handle, at_first_token),
         slot_gb=handle.budget_bytes / 1e9,
         reader=handle.reader.backend,
         cache_bypass=handle.reader.cache_bypass,
@@ -207,6 +208,14 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
 def _agreement(a: list[int], b: list[int]) -> float:
     n = min(len(a), len(b))
     return float(np.mean(np.array(a[:n]) == np.array(b[:n]))) if n else 0.0
+
+
+def _decode_misses_per_layer(handle, stats_at_first_token: dict) -> list[int]:
+    """Misses of each MoE layer after the first token, in layer order: where decode's misses
+    fall decides how much of a thrown speculative pass is rerun."""
+    before = stats_at_first_token["layers"]
+    now = handle.stats()["layers"]
+    return [now[s.name]["misses"] - before[s.name]["misses"] for s in handle.streams]
 
 
 def _prefill_reads_per_miss(handle, stats_at_first_token: dict) -> float:

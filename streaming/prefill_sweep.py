@@ -11,7 +11,8 @@ Order of work for one call:
    buffer): batch j+1 is read while batch j computes;
 4. the adopted experts compute from the slots.
 Every (token, expert) pair is computed by the stock projection layers, sorted exactly when
-stock sorts the whole call; outputs are stitched back in routing order by a pure gather.
+stock sorts the whole call, in calls shaped to take the kernel stock's whole call takes
+(kernel_match.py); outputs are stitched back in routing order by a pure gather.
 """
 
 from __future__ import annotations
@@ -23,30 +24,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
 from .slots import ExpertSlots
 
 # Experts per scratch batch (two batches double-buffer). Bigger batches mean fewer kernel
 # launches; the scratch costs 2 * SCRATCH_EXPERTS experts of memory, shared by all layers.
 SCRATCH_EXPERTS = 8
-
-
-def expert_rows(module: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:
-    """The body of SwitchGLU / SwitchMLP between its sort and unsort, on given rows."""
-    if "gate_proj" in module:
-        up = module.up_proj(x, idx, sorted_indices=do_sort)
-        gate = module.gate_proj(x, idx, sorted_indices=do_sort)
-        return module.down_proj(module.activation(up, gate), idx, sorted_indices=do_sort)
-    h = module.activation(module.fc1(x, idx, sorted_indices=do_sort))
-    return module.fc2(h, idx, sorted_indices=do_sort)
-
-
-def stitch(outputs: list[mx.array], positions: list[np.ndarray], axis: int) -> mx.array:
-    """Outputs computed for disjoint subsets of positions along `axis`, back in position order
-    (a concatenation and a gather: no arithmetic, so the bits are the computed ones)."""
-    order = np.concatenate(positions)
-    inverse = np.empty(order.size, dtype=np.int32)
-    inverse[order] = np.arange(order.size, dtype=np.int32)
-    return mx.take(mx.concatenate(outputs, axis=axis), mx.array(inverse), axis=axis)
 
 
 def with_arrays(inner: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
@@ -84,7 +67,7 @@ def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool
     stream.last_path = "sweep"
     k = ids.shape[-1]
     flat = ids.reshape(-1)
-    rows_of = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # one row per token, as stock
+    rows_of = token_rows(x)
     uses = np.bincount(flat, minlength=cache.num_experts)
 
     missing = cache.access(needed)
@@ -93,25 +76,24 @@ def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool
     adopt = np.setdiff1d(hottest, resident)  # read into the slots they keep
     cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
 
-    def compute(module, experts, slot_of):
+    def compute(module, experts, slot_of, array_experts):
+        """Pairs of `experts`, from a tensor of `array_experts` experts (slots or scratch)."""
         pos = np.flatnonzero(np.isin(flat, experts))
-        slots = slot_of(flat[pos])
-        if do_sort:
-            by_slot = np.argsort(slots, kind="stable")
-            pos, slots = pos[by_slot], slots[by_slot]
-        y = expert_rows(module, rows_of[mx.array(pos // k)], mx.array(slots.astype(np.uint32)), do_sort)
-        outputs.append(y)
-        positions.append(pos)
-        return y
+        plan = layer.row_plan(flat.size, array_experts, do_sort)
+        ys, ps = call_pairs(module, rows_of, pos, slot_of(flat[pos]), k, do_sort, plan)
+        outputs.extend(ys)
+        positions.extend(ps)
+        return ys
 
     outputs, positions = [], []
+
     def from_cache(experts):
         return cache.slot_of[experts]
 
     if resident.size:
-        y = compute(layer.inner, resident, from_cache)
+        y = compute(layer.inner, resident, from_cache, cache.num_slots)
         mx.async_eval(y)
-        stream.pending.append(y)
+        stream.pending.extend(y)
 
     buffers = stream.scratch.buffers(stream.slots.tensors) if cold.size else []
     batches = [cold[i : i + stream.scratch.batch] for i in range(0, cold.size, stream.scratch.batch)]
@@ -129,16 +111,16 @@ def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool
         buffer = buffers[j % 2]
         local = np.full(cache.num_experts, -1, dtype=np.int32)
         local[batch] = np.arange(batch.size, dtype=np.int32)
-        y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e])
+        y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e], buffer.num_slots)
         mx.async_eval(y)
         in_use[j % 2] = y
     if adopt_reads is not None:
-        stream.finish_reads(adopt_reads, pending=[o for o in in_use if o is not None])
-        compute(layer.inner, adopt, from_cache)
+        stream.finish_reads(adopt_reads, pending=[y for ys in in_use if ys is not None for y in ys])
+        compute(layer.inner, adopt, from_cache, cache.num_slots)
     mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
     stream.pending = []
 
-    return mx.unflatten(stitch(outputs, positions, axis=0), 0, ids.shape).squeeze(-2)
+    return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
 
 
 def _read_batch(stream, buffers, batches, j):

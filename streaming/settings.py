@@ -39,7 +39,7 @@ class StreamSettings:
     reader_threads: int = 4
     reader: str = "auto"
     cache_bypass: str = "auto"
-    # How misses reach the slots: "auto" (direct on CPU and Metal, staged on CUDA), "direct"
+    # How misses reach the slots: "auto" (direct on CPU and Metal, cuda on CUDA), "direct"
     # (reader threads write slot memory), "staged" (host buffers, then one memcpy on the compute
     # thread), "cuda" (page-locked host buffers, then a CUDA driver copy) or "copy" (host
     # buffers, then an MLX scatter). See streaming/slots.py.

@@ -12,11 +12,9 @@ Four ways to fill a slot; MLX arrays are made and evaluated on the compute threa
   (measured on an H200: 28 ms per host read of a routing result, decode 9.4 vs 15.7 tok/s).
 - cuda: page-locked host buffers, then a CUDA driver copy into the slot rows, which stay on the
   GPU (streaming/cuda_copy.py): a staged write moves the slot's pages to the host and back,
-  about 25 times slower per expert on an H200. Opt-in: its one bitwise check on the GPU
-  (tests/gpu/exact_gpu.py, small bf16 models) found prefill logits that differ from stock, and
-  the same check with staged writes and of stock against itself has not run yet. MLX's CUDA
-  4-bit matmul at 8 rows or more is reported to differ between identical calls
-  (lablup/mlxcel#910), which would explain it.
+  about 25 times slower per expert on an H200. The default on CUDA; bitwise exact there
+  (tests/gpu/exact_gpu.py), as staged is. (The mismatches an earlier check found came from
+  calls with fewer rows than stock's taking another kernel, with either write: kernel_match.py.)
 - copy: staging buffers, then an MLX scatter into the slot arrays (portable fallback).
 """
 
@@ -74,13 +72,13 @@ def expert_bytes(tensors: list[ExpertTensor]) -> int:
 
 
 def resolve_slot_write(mode: str) -> str:
-    """'auto' -> 'staged' on CUDA, 'direct' elsewhere (see the module docstring; 'cuda' is
-    faster but opt-in until a GPU run shows it bitwise exact)."""
+    """'auto' -> 'cuda' on CUDA ('staged' when the CUDA driver library cannot be used),
+    'direct' elsewhere (see the module docstring)."""
     if mode != "auto":
         return mode
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
-        return "staged"
+        return "cuda" if cuda_copy.copier() is not None else "staged"
     return "direct"
 
 

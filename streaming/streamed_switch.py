@@ -3,7 +3,8 @@ stay on disk. It wraps the stock module itself (its expert tensors swapped for s
 calls it with slot numbers instead of expert ids, so the arithmetic, the activation and stock's
 sort rule (sort the token-expert pairs when `indices.size >= 64`) are stock's own code.
 
-Two situations need more than one stock call, and both keep every row's computation identical:
+Two situations need more than one stock call, and both keep every row's computation identical
+(the calls are shaped so that the backend picks stock's kernel for each: kernel_match.py):
 - decode with misses: the resident experts compute while the misses are read (overlap), then the
   missing ones; the two outputs are stitched back in routing order (a pure gather).
 - a call that needs more experts than the layer has slots (long prefill under a small budget):
@@ -17,8 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import kernel_match
+from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
 from .layer_stream import LayerStream
-from .prefill_sweep import stitch, sweep
+from .prefill_sweep import sweep
 
 
 def stock_sorts(indices_size: int) -> bool:
@@ -36,6 +39,14 @@ class StreamedSwitch(nn.Module):
         self.stream = stream
         self.overlap = overlap
         self.skipper = skipper  # lossy.MissSkipper when skip_miss_below is set
+        self.backend = kernel_match.current_backend()
+        self.quantized = kernel_match.is_quantized(inner)
+
+    def row_plan(self, stock_rows: int, array_experts: int, sorted_rows: bool) -> kernel_match.RowPlan:
+        """How to shape calls on a tensor of `array_experts` experts (slots, scratch) that
+        compute part of a stock call of `stock_rows` (token, expert) pairs."""
+        return kernel_match.plan_rows(self.backend, stock_rows, self.stream.cache.num_experts,
+                                      array_experts, sorted_rows, self.quantized)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         stream = self.stream
@@ -81,25 +92,42 @@ class StreamedSwitch(nn.Module):
             look.issue(np.array(guess))
         if reads is None:
             stream.last_path = "resident"
-            return self.inner(x, stream.device_slots(indices))
+            return self._whole(x, indices, ids)
         if self.overlap and ids.size == ids.shape[-1] and missing.size < needed.size and not stock_sorts(indices.size):
             stream.last_path = "overlap"
             return self._overlapped(x, ids, missing, reads)
         stream.finish_reads(reads)
         stream.last_path = "resident"
-        return self.inner(x, stream.device_slots(indices))
+        return self._whole(x, indices, ids)
+
+    def _whole(self, x, indices, ids):
+        """The stock call on the slots, or, where the slot tensors' smaller expert count would
+        make the backend pick another kernel than stock's (Metal), the same pairs in calls
+        that pick stock's."""
+        stream = self.stream
+        sort = stock_sorts(indices.size)
+        plan = self.row_plan(ids.size, stream.cache.num_slots, sort)
+        if plan.whole(ids.size):
+            return self.inner(x, stream.device_slots(indices))
+        flat = ids.reshape(-1)
+        pos = np.arange(flat.size)
+        ys, ps = call_pairs(self.inner, token_rows(x), pos, stream.cache.slot_of[flat], ids.shape[-1], sort, plan)
+        return unflatten_pairs(stitch(ys, ps, axis=0), ids.shape)
 
     def _overlapped(self, x, ids, missing, reads):
         """One token: compute its resident experts while the missing ones are read."""
         stream = self.stream
-        axis = ids.ndim - 1
-        is_miss = np.isin(ids.reshape(-1), missing)
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        plan = self.row_plan(k, stream.cache.num_slots, False)
+        is_miss = np.isin(flat, missing)
         hit_pos, miss_pos = np.flatnonzero(~is_miss), np.flatnonzero(is_miss)
-        y_hit = self.inner(x, stream.slot_indices(ids[..., hit_pos]))
+        rows = token_rows(x)
+        y_hit, p_hit = call_pairs(self.inner, rows, hit_pos, stream.cache.slot_of[flat[hit_pos]], k, False, plan)
         mx.async_eval(y_hit)
-        stream.finish_reads(reads, pending=[y_hit])
-        y_miss = self.inner(x, stream.slot_indices(ids[..., miss_pos]))
-        return stitch([y_hit, y_miss], [hit_pos, miss_pos], axis)
+        stream.finish_reads(reads, pending=y_hit)
+        y_miss, p_miss = call_pairs(self.inner, rows, miss_pos, stream.cache.slot_of[flat[miss_pos]], k, False, plan)
+        return unflatten_pairs(stitch(y_hit + y_miss, p_hit + p_miss, axis=0), ids.shape)
 
     def _skip_light_misses(self, x, ids, needed):
         """Lossy: positions of the token's experts to keep, or None when nothing is skipped."""

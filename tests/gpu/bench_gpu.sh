@@ -10,7 +10,7 @@ QUARTER=$1; FULL=$2; echo "quarter $QUARTER GiB, full $FULL GiB"
 run() { name=$1; shift
   $ES bench $CK --prompt-tokens ${P:-512} --gen-tokens ${G:-64} --disk-gb ${DISKGB:-2} "$@" --json > $OUT/$name.json 2> $OUT/$name.log
   echo "$name rc=$? t=$(( $(date +%s) - t0 ))s"
-  python3 -c "import json;r=json.load(open('$OUT/$name.json'));print({k:(round(v,4) if isinstance(v,float) else v) for k,v in r.items() if k in ('decode_tok_s','prefill_tok_s','bound_tok_s','ratio_to_bound','stock_tok_s','ratio_to_stock','miss_rate','disk_gbps','t_compute_s','t_disk_s','bytes_per_token','speculation','token_agreement_with_stock')})" 2>&1 | tail -1; }
+  python3 -c "import json;r=json.load(open('$OUT/$name.json'));print({k:(round(v,4) if isinstance(v,float) else v) for k,v in r.items() if k in ('decode_tok_s','prefill_tok_s','bound_tok_s','ratio_to_bound','stock_tok_s','ratio_to_stock','miss_rate','disk_gbps','t_compute_s','t_disk_s','bytes_per_token','speculation','token_agreement_with_stock','decode_misses_per_layer')})" 2>&1 | tail -1; }
 if [ -n "${PROF:-}" ]; then python3 tests/gpu/prof_spec.py $CK $QUARTER > $OUT/prof_spec.txt 2>&1; echo "prof t=$(( $(date +%s) - t0 ))s"; fi
 for R in ${RUNS:-quarter quarter-layered full}; do case $R in
   quarter) run quarter --budget-gib $QUARTER --stock yes;;

@@ -1,10 +1,11 @@
-# Usage (device): [NARCH=1] python3 tests/gpu/exact_gpu.py [SLOT_WRITE ...]
+# Usage (device): [NARCH=1] [SLOTS=all] python3 tests/gpu/exact_gpu.py [SLOT_WRITE ...]
 # Bitwise logits against stock on CUDA, for each slot write (staged, cuda, copy), with and
 # without speculative decode (forced on every step): small synthetic checkpoints, slots = top-k
 # (constant eviction), chunked prefill then greedy decode; first stock against itself, as a
-# control. Prints one line per case (a mismatch also says how many slot rows differ from the
+# control. SLOTS=all gives every expert a slot (no eviction, no prefill sweep: each call runs
+# whole, as stock's does). Prints one line per case (a mismatch also says how many slot rows differ from the
 # checkpoint); exit status 1 on a mismatch.
-import sys, tempfile
+import os, sys, tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,11 @@ from mlx_lm.utils import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from exactness import assert_same_logits, load_pair, prompt_ids  # noqa: E402
+from expert_stream.streaming.footprint import checkpoint_footprint  # noqa: E402
 from expert_stream.streaming.synthetic import make_checkpoint  # noqa: E402
 
 SLOT_WRITES = sys.argv[1:] or ["staged", "cuda", "copy"]
-ARCHS = ("qwen3_moe", "mixtral")[:int(__import__("os").environ.get("NARCH", 2))]
+ARCHS = ("qwen3_moe", "mixtral")[:int(os.environ.get("NARCH", 2))]
 root = Path(tempfile.mkdtemp())
 
 
@@ -43,7 +45,8 @@ for arch in ARCHS:
         print(f"{arch} stock against itself: MISMATCH {exc} (the backend is not repeatable here)")
     for slot_write in SLOT_WRITES:
         for speculate in (True, False):
-            stock, streamed, handle = load_pair(ck, slot_write=slot_write, speculate=speculate, prefetch=False)
+            slots = max(checkpoint_footprint(ck).num_experts) if os.environ.get("SLOTS") == "all" else None
+            stock, streamed, handle = load_pair(ck, slots, slot_write=slot_write, speculate=speculate, prefetch=False)
             if handle.speculation is not None:
                 handle.speculation.adaptive = False  # speculate every step, however it pays
             try:
