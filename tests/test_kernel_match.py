@@ -127,3 +127,30 @@ def test_padding_and_splitting_keep_bits(checkpoints):
         ys, ps = call_pairs(block.switch_mlp, rows, pos, flat, TOP_K, True, plan)
         assert np.array_equal(np.concatenate(ps), order[0])
         assert mx.array_equal(mx.concatenate(ys), whole[0]).item(), plan
+
+
+def test_whole_call_on_fewer_slots_is_split_on_metal(checkpoints, monkeypatch):
+    """12 tokens routed among 8 experts: 96 sorted pairs, all in the layer's 16 slots. Stock (32
+    experts: 3 pairs per expert) runs Metal's vector kernel; one call on 16 slots would run rhs,
+    so the layer splits it into calls below 64 pairs."""
+    from expert_stream.streaming.streamed_switch import StreamedSwitch
+
+    monkeypatch.setattr(kernel_match, "current_backend", lambda: "metal")
+    path = checkpoints("qwen3_moe", experts=EXPERTS, top_k=TOP_K, layers=2)
+    stock, streamed, handle = load_pair(path, slots=16, speculate=False, prefetch=False)
+    layer = next(m for _, m in streamed.named_modules() if isinstance(m, StreamedSwitch))
+    stock_block = stock.layers[int(layer.stream.name.split(".")[-3])].mlp.switch_mlp
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.standard_normal((1, 12, stock.args.hidden_size)).astype(np.float32))
+    indices = mx.array(np.stack([rng.permutation(TOP_K) for _ in range(12)])[None].astype(np.uint32))
+    spy = KernelSpy("metal")
+    monkeypatch.setattr(mx, "gather_qmm", spy)
+    want = stock_block(x, indices)
+    mx.eval(want)
+    assert spy.take() == {"vector"}
+    for _ in range(2):  # the first call reads the experts, the second finds them resident
+        got = layer(x, indices)
+        mx.eval(got)
+        assert spy.take() == {"vector"} and layer.stream.last_path == "resident"
+        assert mx.array_equal(got, want).item()
+    handle.close()
