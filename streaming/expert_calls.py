@@ -20,12 +20,13 @@ def expert_rows(module: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) ->
     return module.fc2(h, idx, sorted_indices=do_sort)
 
 
-def call_pairs(module: nn.Module, token_rows: mx.array, pos: np.ndarray, slots: np.ndarray, k: int,
+def call_pairs(module: nn.Module, rows: mx.array, pos: np.ndarray, slots: np.ndarray, k: int,
                do_sort: bool, plan: RowPlan) -> tuple[list[mx.array], list[np.ndarray]]:
-    """Outputs of the pairs at flat routing positions `pos` (token `pos // k`), whose experts sit
-    at `slots` of the module's expert tensors: sorted by slot exactly when stock sorts its whole
-    call, in calls of at most `plan.max_rows` rows, each padded with copies of its last row to
-    `plan.min_rows` (the copies' outputs are dropped). Returns (outputs, their positions)."""
+    """Outputs of the pairs at flat routing positions `pos` (token `pos // k`, whose row in
+    `rows` comes from `token_rows`), with their experts at `slots` of the module's expert
+    tensors: sorted by slot exactly when stock sorts its whole call, in calls of at most
+    `plan.max_rows` rows, each padded with copies of its last row to `plan.min_rows` (the
+    copies' outputs are dropped). Returns (outputs, their positions)."""
     if do_sort:
         by_slot = np.argsort(slots, kind="stable")
         pos, slots = pos[by_slot], slots[by_slot]
@@ -36,7 +37,7 @@ def call_pairs(module: nn.Module, token_rows: mx.array, pos: np.ndarray, slots: 
         if n < plan.min_rows:
             p = np.concatenate([p, np.repeat(p[-1:], plan.min_rows - n)])
             s = np.concatenate([s, np.repeat(s[-1:], plan.min_rows - n)])
-        y = expert_rows(module, token_rows[mx.array(p // k)], mx.array(s.astype(np.uint32)), do_sort)
+        y = expert_rows(module, rows[mx.array(p // k)], mx.array(s.astype(np.uint32)), do_sort)
         outputs.append(y[:n] if p.size > n else y)
         positions.append(p[:n])
     return outputs, positions

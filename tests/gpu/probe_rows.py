@@ -13,7 +13,7 @@ import numpy as np
 from mlx_lm.utils import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from expert_stream.streaming.prefill_sweep import expert_rows  # noqa: E402
+from expert_stream.streaming.expert_calls import expert_rows  # noqa: E402
 from expert_stream.streaming.synthetic import make_checkpoint  # noqa: E402
 
 ck = make_checkpoint(Path(tempfile.mkdtemp()) / "q", arch="qwen3_moe", progress=False, layers=1, experts=64, top_k=8,
