@@ -64,6 +64,7 @@ class StepReplay:
         self._calls: list[int] = []
         self.replay_below = 0
         self.active = False  # set around speculative passes; other calls run the layers as is
+        self.shape_ok = False  # the last complete pass had the shape replay needs
 
     def start_step(self) -> None:
         self.replay_below = 0
@@ -87,14 +88,31 @@ class StepReplay:
         self._caches[index] = caches
         return out
 
-    def first_missed_layer(self, missing_streams, model_caches) -> int:
+    def pass_complete(self, model_caches) -> None:
+        """After a pass that ran to its end: did it have the shape replay needs? (Every
+        decoder layer called once, in order, each with caches of its own that are the model's.)"""
+        calls, n = self._calls, len(self.layers)
+        seen = [id(c) for caches in self._caches for c in (caches or ())]
+        self.shape_ok = (
+            model_caches is not None and calls == list(range(n))
+            and len(seen) == len(set(seen)) and set(seen) == {id(c) for c in model_caches}
+        )
+
+    def first_missed_layer(self, missing_streams, model_caches, complete: bool = True) -> int:
         """The decoder layer the next pass must compute from: the lowest layer holding a stream
-        in `missing_streams`, or 0 when the last pass did not have the shape replay needs."""
-        n = len(self.layers)
-        if self._calls != list(range(n)) or model_caches is None:
-            return 0
-        seen = [id(c) for caches in self._caches for c in caches]
-        if len(seen) != len(set(seen)) or set(seen) != {id(c) for c in model_caches}:
+        in `missing_streams`, or 0 when the model does not have the shape replay needs. A pass
+        that ended early (`complete` False) is checked as far as it got, for a model whose
+        last complete pass had the shape."""
+        if complete:
+            self.pass_complete(model_caches)
+        elif self.shape_ok:
+            calls = self._calls
+            seen = [id(c) for index in calls for c in (self._caches[index] or ())]
+            self.shape_ok = (
+                model_caches is not None and calls == list(range(len(calls)))
+                and len(seen) == len(set(seen)) and set(seen) <= {id(c) for c in model_caches}
+            )
+        if not self.shape_ok:
             return 0
         return min(self.layer_of[s] for s in missing_streams)
 

@@ -47,9 +47,10 @@ class LayerStream:
         self.all_resident = False
         self._table: mx.array | None = None
         self._table_version = -1
-        # Set by DecodeSpeculation around a speculative step (streaming/speculation.py): the
-        # layer computes from the device table without a sync and leaves its routing here.
-        self.speculating = False
+        # Set by DecodeSpeculation around a speculative pass (streaming/speculation.py): the
+        # layer computes from the device table without a sync, leaves its routing here and
+        # tells the pass's checks (streaming/pass_checks.py).
+        self.speculative_pass = None
         self.speculated_ids: mx.array | None = None
         self.last_path = None  # "resident" | "overlap" | "sweep" | "skip" | "speculated"
 

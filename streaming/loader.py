@@ -122,7 +122,7 @@ def attach(
     speculation = None
     # skip_miss_below acts where a miss is met layer by layer; a speculative pass would read it.
     if settings.speculate and settings.skip_miss_below is None and any(not s.all_resident for s in streams):
-        speculation = DecodeSpeculation(streams)
+        speculation = DecodeSpeculation(streams, check_every=settings.speculate_check_every)
         install(model, speculation)
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",

@@ -1,10 +1,11 @@
 """Putting a model's caches back to where they were before a forward pass, so that a decode step
 run speculatively (streaming/speculation.py) can be thrown away and run again exactly.
 
-Each cache kind needs its own way back, and some have none; a step over a cache without one is
-simply not speculated:
-- KV caches that append (KVCache, QuantizedKVCache, ConcatenateKVCache): trim the step's tokens.
-  What the step wrote past the trimmed offset is overwritten by the rerun.
+A pass may end early (streaming/pass_checks.py), so a rewind puts each cache back to where it
+was, whether or not its layer ran. Each cache kind needs its own way back, and some have none; a
+step over a cache without one is simply not speculated:
+- KV caches that append (KVCache, QuantizedKVCache, ConcatenateKVCache): trim what the step
+  added. What the step wrote past the trimmed offset is overwritten by the rerun.
 - RotatingKVCache: the same, while the step cannot wrap (offset + tokens < max_size). Once it
   wraps, a step overwrites entries the rerun still attends to: no way back.
 - ChunkedKVCache: keep references to its arrays and counters. A step either writes past the
@@ -55,7 +56,7 @@ def _rewind_one(cache, tokens: int) -> Optional[Rewind]:
     if kind is kinds.RotatingKVCache:
         if cache.offset + tokens >= cache.max_size:
             return None
-        return lambda: cache.trim(tokens)
+        return _trim_back(cache)
     if kind is kinds.ChunkedKVCache:
         saved = (cache.keys, cache.values, cache.offset, cache.start_position)
 
@@ -64,5 +65,16 @@ def _rewind_one(cache, tokens: int) -> Optional[Rewind]:
 
         return restore
     if kind in (kinds.KVCache, kinds.QuantizedKVCache, kinds.ConcatenateKVCache):
-        return lambda: cache.trim(tokens)
+        return _trim_back(cache)
     return None
+
+
+def _trim_back(cache) -> Rewind:
+    """Trim what was added since now (nothing, when the cache's layer did not run)."""
+    offset = cache.offset
+
+    def rewind() -> None:
+        if cache.offset > offset:
+            cache.trim(cache.offset - offset)
+
+    return rewind

@@ -49,6 +49,9 @@ class StreamSettings:
     # Run a decode step as one graph (no sync per layer) and check its routing once; a step that
     # met a miss is rewound, its misses read, and run again (streaming/speculation.py).
     speculate: bool = True
+    # Streamed layers per routing check inside a speculative pass: a group that met a miss ends
+    # the pass there (streaming/pass_checks.py). 0: check once, when the pass ends.
+    speculate_check_every: int = 4
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
     # Lossy knobs, off by default: fewer experts per token, and skipping low-weight misses.
@@ -63,6 +66,8 @@ class StreamSettings:
             raise SettingsError("prefetch_per_layer must be >= 0")
         if self.prefill_step < 1:
             raise SettingsError("prefill_step must be >= 1")
+        if self.speculate_check_every < 0:
+            raise SettingsError("speculate_check_every must be >= 0")
         if self.reader_threads < 1:
             raise SettingsError("reader_threads must be >= 1")
         _check_choice("reader", self.reader, ("auto", "native", "python"))

@@ -5,15 +5,17 @@ and start their reads). That sync serialises host and device once per layer: on 
 about 1 ms per layer per token, more than a stock token costs per layer. A speculative step runs
 the way stock runs: every streamed layer maps expert ids to slots on the device (a missing expert
 maps to slot 0, a wrong but harmless expert) and the whole step is one graph. Its routing is then
-read back once and checked on the host:
+read back and checked on the host, a group of layers at a time while the pass is still being
+built (streaming/pass_checks.py), the last groups when it ends:
 - every routed expert was resident: the step computed exactly what the layer-by-layer path
   computes (same kernels, same slot numbers). The caches record the accesses; done.
-- some expert was missing: the step is thrown away and the KV and state caches rewound
-  (streaming/rewind.py). The missing experts the step saw are read (those of the first layer
-  that missed are certain; later layers saw a slightly wrong input, so theirs are likely), and
-  the step runs again speculatively from the first decoder layer that missed: the layers below
-  it replay what they computed (streaming/layer_replay.py). After MAX_PASSES thrown-away passes
-  the step runs layer by layer.
+- some expert was missing: the pass ends at that group's check (or at its end), the step is
+  thrown away and the KV and state caches rewound (streaming/rewind.py). The missing experts
+  the pass saw are read (those of the first layer that missed are certain; later layers saw a
+  slightly wrong input, so theirs are likely), and the step runs again speculatively from the
+  first decoder layer that missed: the layers below it replay what they computed
+  (streaming/layer_replay.py). After MAX_PASSES thrown-away passes that ran to their end the
+  step runs layer by layer (passes cut short do not count: each makes a later layer resident).
 Nothing the expert caches do depends on a thrown-away pass except which experts they hold, so
 the output is exactly the layer-by-layer path's, which is exactly stock's.
 
@@ -38,9 +40,10 @@ import numpy as np
 
 from . import layer_replay
 from .call_wrap import wrap_call
+from .pass_checks import MissFound, PassChecks
 from .rewind import rewind_point
 
-# Speculative passes of one step before it runs layer by layer.
+# Speculative passes of one step, run to their end and thrown away, before it runs layer by layer.
 MAX_PASSES = 3
 # Weight of the newest sample in the moving averages of step times (a plain mean over the
 # first 1 / EWMA samples).
@@ -58,6 +61,7 @@ PAUSE_STEPS = 64
 class SpeculationStats:
     steps: int = 0  # decode steps that ended with a kept speculative pass
     passes_thrown: int = 0  # speculative passes thrown away for a miss (and rerun)
+    passes_cut: int = 0  # of those, passes ended early by a group's check (not built to the end)
     fallbacks: int = 0  # steps that ran layer by layer after MAX_PASSES thrown-away passes
     layered: int = 0  # decode steps run layer by layer by choice (exploring, paused)
     not_rewindable: int = 0  # decode steps run layer by layer because a cache has no way back
@@ -79,9 +83,10 @@ def _average(old: Optional[float], sample: float, n: int) -> float:
 class DecodeSpeculation:
     """Runs each decode step of one model speculatively while that pays (see module doc)."""
 
-    def __init__(self, streams, adaptive: bool = True):
+    def __init__(self, streams, adaptive: bool = True, check_every: int = 4):
         self.streams = streams
         self.adaptive = adaptive  # False: speculate every decode step that can be rewound
+        self.checks = PassChecks(check_every)
         self.replay = None  # layer_replay.StepReplay, set by install() when the model allows it
         self.stats = SpeculationStats()
         self._pause = 0
@@ -154,21 +159,32 @@ class DecodeSpeculation:
         if replay is not None:
             replay.start_step()
         try:
-            for _ in range(MAX_PASSES):
+            complete_passes = 0
+            for _ in range(MAX_PASSES + len(self.streams)):
+                if complete_passes == MAX_PASSES:
+                    break
                 out = self._pass(run, replay_below)
-                needed, absent = self._routing()
+                needed, absent = self.checks.finish()
                 if not absent:
+                    if replay is not None:
+                        replay.pass_complete(cache)
                     self._keep(needed, verified, fetched)
                     self.stats.steps += 1
                     return out
-                del out
-                for s in needed:
-                    s.pending.pop()  # its graph was evaluated by the routing, or is dropped now
+                complete = out is not None
+                complete_passes += complete
+                if complete:
+                    del out
+                    for s in needed:
+                        s.pending.pop()  # its graph was evaluated by the routing, or is dropped now
+                # A pass cut short handed every layer it built to the device: those outputs
+                # stay pending (they pin their slots until evaluated).
                 rewind()
                 self.stats.passes_thrown += 1
+                self.stats.passes_cut += not complete
                 self._fetch({s: (needed[s], a) for s, a in absent.items()}, fetched)
                 if replay is not None:
-                    replay_below = replay.first_missed_layer(absent, cache)
+                    replay_below = replay.first_missed_layer(absent, cache, complete)
                     if replay_below == 0:
                         verified = {}
                     verified.update((s, n) for s, n in needed.items() if replay.layer_of[s] < replay_below)
@@ -181,35 +197,27 @@ class DecodeSpeculation:
         return out
 
     def _pass(self, run, replay_below: int):
-        """One speculative pass; decoder layers below `replay_below` replay the last pass."""
+        """One speculative pass; decoder layers below `replay_below` replay the last pass.
+        None when a group's check ended it (self.checks holds what was checked)."""
         replay = self.replay
+        self.checks.start()
         for s in self.streams:
             s.await_prefetch()
-            s.speculating = True
+            s.speculated_ids = None
+            s.speculative_pass = self.checks
         if replay is not None:
             replay.start_pass(replay_below)
             replay.active = True
             self.stats.layers_replayed += replay_below
         try:
             return run()
+        except MissFound:
+            return None
         finally:
             for s in self.streams:
-                s.speculating = False
+                s.speculative_pass = None
             if replay is not None:
                 replay.active = False
-
-    def _routing(self):
-        """Read the pass's routing back (one sync): ({stream: experts it needs}, {stream:
-        those not resident}) for the streamed layers the pass computed."""
-        used = [s for s in self.streams if s.speculated_ids is not None]
-        if not used:
-            return {}, {}
-        routed = np.array(mx.stack([s.speculated_ids.reshape(-1) for s in used]))
-        for s in used:
-            s.speculated_ids = None
-        needed = {s: np.unique(ids) for s, ids in zip(used, routed)}
-        absent = {s: n[~s.cache.resident(n)] for s, n in needed.items()}
-        return needed, {s: a for s, a in absent.items() if a.size}
 
     def _keep(self, needed: dict, verified: dict, fetched: dict) -> None:
         """The pass is the step: settle its layers' outputs and record every layer's accesses

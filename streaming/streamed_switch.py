@@ -56,10 +56,12 @@ class StreamedSwitch(nn.Module):
             stream.cache.stats.calls += 1
             stream.cache.stats.resident_calls += 1
             return self.inner(x, stream.device_slots(indices))
-        if stream.speculating and indices.size == indices.shape[-1]:
-            stream.speculated_ids = indices  # checked once the whole step is built
+        checks = stream.speculative_pass
+        if checks is not None and indices.size == indices.shape[-1]:
+            stream.speculated_ids = indices  # checked by the pass, a group of layers at a time
             y = self.inner(x, stream.device_slots(indices))
             stream.pending.append(y)
+            checks.computed(stream, y)  # may end the pass here (pass_checks.MissFound)
             return y
         stream.await_prefetch()
         single_token = indices.size == indices.shape[-1]

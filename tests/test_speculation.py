@@ -35,16 +35,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("check_every", [1, 0], ids=["checked-per-layer", "checked-at-end"])
 @pytest.mark.parametrize("arch,overrides,share", CASES, ids=[c[0] for c in CASES])
-def test_kept_and_failed_steps_equal_stock(checkpoints, arch, overrides, share):
-    path = checkpoints(arch, overrides=overrides) if overrides else checkpoints(arch)
+def test_kept_and_failed_steps_equal_stock(checkpoints, arch, overrides, share, check_every):
+    """Passes checked after every streamed layer end at the first group that missed (cut
+    short, before later layers are built: five layers, so that some are never reached);
+    passes checked at their end run whole."""
+    path = checkpoints(arch, layers=5, overrides=overrides) if overrides else checkpoints(arch, layers=5)
     stock, streamed, handle = load_pair(path, slots=slots_for(path, share))
     handle.speculation.adaptive = False  # speculate every step, whatever it costs here
+    handle.speculation.checks.every = check_every
     decode_side_by_side(stock, streamed)
     spec = handle.stats()["speculation"]
     assert spec["steps"] > 0, spec  # steps that ended with a kept speculative pass
     assert spec["passes_thrown"] > 0, spec  # passes rewound after a miss and rerun
     assert spec["layers_replayed"] > 0, spec  # reruns that started above the first layer
+    if check_every:
+        assert spec["passes_cut"] > 0, spec
+    else:
+        assert spec["passes_cut"] == 0, spec
     handle.close()
 
 
@@ -136,11 +145,13 @@ def test_rewind_restores_offsets_and_state():
     state = kinds.ArraysCache(1)
     state[0] = mx.zeros((1, 3))
     before = state[0]
-    rewind = rewind_point([kv, state], 1)
+    not_reached = kinds.KVCache()  # the layer of a pass cut short before it
+    not_reached.update_and_fetch(mx.ones((1, 1, 5, 2)), mx.ones((1, 1, 5, 2)))
+    rewind = rewind_point([kv, state, not_reached], 1)
     kv.update_and_fetch(mx.full((1, 1, 1, 2), 7.0), mx.full((1, 1, 1, 2), 7.0))
     state[0] = mx.ones((1, 3))
     rewind()
-    assert kv.offset == 5 and state[0] is before
+    assert kv.offset == 5 and state[0] is before and not_reached.offset == 5
     keys, _ = kv.update_and_fetch(mx.full((1, 1, 1, 2), 3.0), mx.full((1, 1, 1, 2), 3.0))
     assert keys.shape[2] == 6 and keys[0, 0, 5, 0].item() == 3.0
 
@@ -237,3 +248,29 @@ def test_replay_refuses_models_of_another_shape():
         layer(x, None, c)
     assert replay.first_missed_layer([streams[1]], caches + [kinds.KVCache()]) == 0  # a cache no layer got
     assert replay.first_missed_layer([streams[1]], caches) == 1
+
+
+def test_replay_after_a_pass_cut_short():
+    """A pass that ended early is replayed as far as it got, once a complete pass showed the
+    model has the shape replay needs."""
+    layers = [_Layer(i) for i in range(3)]
+    streams = {i: _Stream() for i in range(3)}
+    replay = _replay_over(layers, streams)
+    caches = [kinds.KVCache() for _ in layers]
+    x = mx.ones((1, 1, 1, 2))
+    replay.start_step()
+    replay.active = True
+
+    def cut_after(n):
+        replay.start_pass(0)
+        h = x
+        for layer, c in zip(layers[:n], caches):
+            h = layer(h, None, c)
+
+    cut_after(2)
+    assert replay.first_missed_layer([streams[1]], caches, complete=False) == 0  # shape unknown
+    cut_after(3)
+    assert replay.first_missed_layer([streams[1]], caches) == 1
+    cut_after(2)
+    assert replay.first_missed_layer([streams[1]], caches, complete=False) == 1
+    assert replay.first_missed_layer([streams[1]], caches[:1], complete=False) == 0  # a cache not the model's

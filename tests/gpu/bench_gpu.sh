@@ -1,5 +1,5 @@
 # Usage (device): bash tests/gpu/bench_gpu.sh OUTDIR   (env RUNS: which of quarter quarter-layered
-# quarter-lookahead quarter-cuda quarter-cuda-layered full;
+# quarter-lookahead quarter-cuda quarter-cuda-layered quarter-everyN full;
 # PROF=1 first profiles speculative decode with prof_spec.py)
 set -u
 OUT=$1; CK=/tmp/q30-48; ES="python3 -m expert_stream.plugin.cli"; t0=$(date +%s)
@@ -18,5 +18,6 @@ for R in ${RUNS:-quarter quarter-layered full}; do case $R in
   quarter-lookahead) run quarter-lookahead --budget-gib $QUARTER --stock no --set speculate=false --set prefetch=true;;
   quarter-cuda) run quarter-cuda --budget-gib $QUARTER --stock yes --set slot_write=cuda;;
   quarter-cuda-layered) run quarter-cuda-layered --budget-gib $QUARTER --stock no --set slot_write=cuda --set speculate=false;;
+  quarter-every*) run $R --budget-gib $QUARTER --stock no --set speculate_check_every=${R#quarter-every};;
   full) run full --budget-gib $FULL --stock yes;;
 esac; done

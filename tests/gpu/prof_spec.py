@@ -19,7 +19,7 @@ orig_commit = slots_mod.ExpertSlots.commit
 def commit(self, *a):
     t = time.perf_counter(); r = orig_commit(self, *a); T["commit"] += time.perf_counter() - t; return r
 slots_mod.ExpertSlots.commit = commit
-orig_forward, orig_routing, orig_fetch = spec.forward, spec._routing, spec._fetch
+orig_forward, orig_routing, orig_fetch = spec.forward, spec.checks.finish, spec._fetch
 
 def forward(run, inputs, cache):
     if inputs.size != 1:
@@ -38,7 +38,7 @@ def timed(name, fn):
         t = time.perf_counter(); r = fn(*a); T[name] += time.perf_counter() - t; return r
     return wrapper
 
-spec.forward, spec._routing, spec._fetch = forward, timed("check", orig_routing), timed("fetch", orig_fetch)
+spec.forward, spec.checks.finish, spec._fetch = forward, timed("check", orig_routing), timed("fetch", orig_fetch)
 
 def gen(seed, n_prompt, n_gen):
     p = mx.array(np.random.default_rng(seed).integers(3, 1000, n_prompt), dtype=mx.int32)

@@ -1,0 +1,91 @@
+"""Checking a speculative pass's routing while the pass is still being built.
+
+A speculative decode step (speculation.py) built whole and checked once at the end leaves the
+device idle while the host builds the graph, and a miss in an early layer is found only after
+every later layer computed from a wrong input; on an H200 that waste was most of a pass per
+thrown pass, since the early layers miss most. So every `every` streamed layers the pass so far
+is handed to the device (async_eval) together with those layers' routing, and the routing of
+the group handed before it, computed meanwhile, is read back: reading an array waits on the
+eval that scheduled it, not on work queued after it. A group that met a missing expert ends
+the pass there (MissFound): at most one more group computed from a wrong input, and the host
+built nothing further. The last groups are checked when the pass ends.
+
+The price: a pass cut short does not see the misses of later layers, which a whole thrown pass
+reads too (their input was only slightly wrong), so a step takes more passes, each shorter.
+Interleaved in one process on an H200 (Qwen3-30B-A3B shape, a quarter of the experts), groups
+of 4 decoded at 18.0 / 18.9 / 16.6 tok/s against 15.4 / 11.6 / 12.6 for one check at the end
+(groups of 8: 22.0 / 14.4 / 17.5; tests/gpu/spec_variants.py).
+
+Residency does not change during a pass (no reads are started inside one), so a group's
+verdict, taken early, holds for the whole pass.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+class MissFound(Exception):
+    """Raised inside the model's forward pass when a checked group of layers met a missing
+    expert; the speculation catches it, rewinds and runs the step again."""
+
+
+def _flat_routing(streams) -> tuple[mx.array, list[int]]:
+    """The streams' routing as one flat array (one read for the group), and each one's length."""
+    ids = [s.speculated_ids.reshape(-1) for s in streams]
+    for s in streams:
+        s.speculated_ids = None
+    return (mx.concatenate(ids) if len(ids) > 1 else ids[0]), [i.size for i in ids]
+
+
+class PassChecks:
+    """The routing checks of one speculative pass at a time."""
+
+    def __init__(self, every: int):
+        self.every = every  # streamed layers per group; 0: one check when the pass ends
+        self.start()
+
+    def start(self) -> None:
+        self.needed: dict = {}  # stream -> experts it needs, for the layers checked so far
+        self.absent: dict = {}  # stream -> those not resident (non-empty arrays only)
+        self._open: list = []  # streams computed since the last group was handed over
+        self._handed = None  # (streams, flat routing, sizes) handed to the device, not yet checked
+
+    def computed(self, stream, output: mx.array) -> None:
+        """A streamed layer built its speculative output (its routing is in speculated_ids)."""
+        self._open.append(stream)
+        if not self.every or len(self._open) < self.every:
+            return
+        group, self._open = self._open, []
+        routing, sizes = _flat_routing(group)
+        mx.async_eval(output, routing)
+        handed, self._handed = self._handed, (group, routing, sizes)
+        if handed is not None:
+            self._check(*handed)
+            if self.absent:
+                self._handed = None  # computed from a wrong input: never checked
+                raise MissFound()
+
+    def finish(self) -> tuple[dict, dict]:
+        """At the end of a pass: check what is left (one sync) and give ({stream: experts
+        needed}, {stream: experts not resident}) for every layer checked: all the layers the
+        pass computed, or, after MissFound, those up to the group that met the miss."""
+        groups = [self._handed] if self._handed is not None else []
+        if self._open:
+            groups.append((self._open, *_flat_routing(self._open)))
+        self._handed, self._open = None, []
+        if groups:  # one read for both
+            streams = [s for g in groups for s in g[0]]
+            routing = mx.concatenate([g[1] for g in groups]) if len(groups) > 1 else groups[0][1]
+            self._check(streams, routing, [n for g in groups for n in g[2]])
+        return self.needed, self.absent
+
+    def _check(self, streams, routing: mx.array, sizes: list[int]) -> None:
+        flat = np.array(routing)
+        for s, part in zip(streams, np.split(flat, np.cumsum(sizes)[:-1])):
+            needed = np.unique(part)
+            self.needed[s] = needed
+            absent = needed[~s.cache.resident(needed)]
+            if absent.size:
+                self.absent[s] = absent
