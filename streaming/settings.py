@@ -46,8 +46,9 @@ class StreamSettings:
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
-    # Run a decode step as one graph (no sync per layer) and check its routing once; a step that
-    # met a miss is rewound, its misses read, and run again (streaming/speculation.py).
+    # Run a decode step as one graph (no sync per layer), its routing checked a group of layers
+    # at a time; a step that met a miss is rewound, its misses read, and run again
+    # (streaming/speculation.py).
     speculate: bool = True
     # Streamed layers per routing check inside a speculative pass: a group that met a miss ends
     # the pass there (streaming/pass_checks.py). 0: check once, when the pass ends.
