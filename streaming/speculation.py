@@ -67,6 +67,7 @@ class SpeculationStats:
     not_rewindable: int = 0  # decode steps run layer by layer because a cache has no way back
     paused: int = 0  # times speculation lost against layer by layer and paused
     layers_replayed: int = 0  # decoder layers a rerun took from the thrown pass instead of computing
+    layers_computed: int = 0  # MoE layers computed by speculative passes, kept and thrown
     # Moving averages of seconds per decode step, speculative (all its passes) and layer by layer.
     t_speculative: Optional[float] = None
     t_layer_by_layer: Optional[float] = None
@@ -182,7 +183,8 @@ class DecodeSpeculation:
                 rewind()
                 self.stats.passes_thrown += 1
                 self.stats.passes_cut += not complete
-                self._fetch({s: (needed[s], a) for s, a in absent.items()}, fetched)
+                certain = {s: (needed[s], a) for s, a in absent.items()}
+                self._fetch(certain, fetched, None if complete else self.checks.likely_misses)
                 if replay is not None:
                     replay_below = replay.first_missed_layer(absent, cache, complete)
                     if replay_below == 0:
@@ -214,6 +216,7 @@ class DecodeSpeculation:
         except MissFound:
             return None
         finally:
+            self.stats.layers_computed += self.checks.layers
             for s in self.streams:
                 s.speculative_pass = None
             if replay is not None:
@@ -241,9 +244,14 @@ class DecodeSpeculation:
         for s, late in fetched.items():
             s.cache.count_as_misses(int(np.isin(s.cache.last_needed, late).sum()))
 
-    def _fetch(self, missing: dict, fetched: dict) -> None:
-        """Read the experts a thrown-away pass found missing, all layers' reads in flight at once."""
+    def _fetch(self, missing: dict, fetched: dict, more=None) -> None:
+        """Read the experts a thrown-away pass found missing, all layers' reads in flight at once;
+        `more()`, called once those reads are under way, gives likely ones to read as well."""
         reads = [(s, s.start_reads(a, protected=n)) for s, (n, a) in missing.items()]
+        if more is not None:
+            extra = {s: v for s, v in more().items() if s not in missing}
+            reads += [(s, s.start_reads(a, protected=n)) for s, (n, a) in extra.items()]
+            missing = {**missing, **extra}
         for s, r in reads:
             s.finish_reads(r)
         for s, (_, a) in missing.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models import cache as kinds
 from mlx_lm.models.cache import make_prompt_cache
@@ -13,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from exactness import assert_same_logits, load_pair, prompt_ids
 from expert_stream.streaming import layer_replay, speculation
 from expert_stream.streaming.footprint import checkpoint_footprint
+from expert_stream.streaming.pass_checks import MissFound, PassChecks
 from expert_stream.streaming.rewind import rewind_point
 
 
@@ -274,3 +276,51 @@ def test_replay_after_a_pass_cut_short():
     cut_after(2)
     assert replay.first_missed_layer([streams[1]], caches, complete=False) == 1
     assert replay.first_missed_layer([streams[1]], caches[:1], complete=False) == 0  # a cache not the model's
+
+
+class _Cache:
+    def __init__(self, resident):
+        self._resident = np.array(resident)
+
+    def resident(self, ids):
+        return np.isin(ids, self._resident)
+
+
+class _Routed:
+    """A streamed layer as the checks see it: its cache and the routing it left."""
+
+    def __init__(self, resident):
+        self.cache = _Cache(resident)
+        self.speculated_ids = None
+
+
+def test_checks_cut_a_pass_at_the_group_after_a_miss():
+    """Groups of one layer: layer 0 misses expert 3; the check at layer 1 ends the pass. Layer
+    1, in flight when it ended, names expert 5 as a likely miss; layer 2 is never built."""
+    checks = PassChecks(1)
+    layers = [_Routed([1, 2]), _Routed([2]), _Routed([])]
+    routes = [[1, 3], [2, 5], [7, 8]]
+    checks.start()
+    layers[0].speculated_ids = mx.array(routes[0])
+    checks.computed(layers[0], mx.zeros(1))
+    layers[1].speculated_ids = mx.array(routes[1])
+    with pytest.raises(MissFound):
+        checks.computed(layers[1], mx.zeros(1))
+    likely = checks.likely_misses()
+    assert list(likely) == [layers[1]] and likely[layers[1]][1].tolist() == [5]
+    needed, absent = checks.finish()  # nothing more to read after a cut
+    assert {s: n.tolist() for s, n in needed.items()} == {layers[0]: [1, 3]}
+    assert {s: a.tolist() for s, a in absent.items()} == {layers[0]: [3]}
+    assert checks.likely_misses() == {}  # read once
+
+
+def test_checks_without_a_miss_read_everything_at_the_end():
+    checks = PassChecks(2)
+    layers = [_Routed([1, 2, 3]) for _ in range(5)]
+    checks.start()
+    for layer in layers:
+        layer.speculated_ids = mx.array([1, 3])
+        checks.computed(layer, mx.zeros(1))
+    needed, absent = checks.finish()
+    assert set(needed) == set(layers) and absent == {}
+    assert checks.likely_misses() == {}
