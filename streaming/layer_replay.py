@@ -88,15 +88,23 @@ class StepReplay:
         self._caches[index] = caches
         return out
 
+    def _has_shape(self, model_caches, whole: bool) -> bool:
+        """The last pass called decoder layers 0, 1, ... in order (all of them when `whole`),
+        each with caches of its own that are the model's (all of them when `whole`)."""
+        calls = self._calls
+        if model_caches is None or calls != list(range(len(calls))):
+            return False
+        seen = [id(c) for index in calls for c in (self._caches[index] or ())]
+        model = {id(c) for c in model_caches}
+        if len(seen) != len(set(seen)):
+            return False
+        if whole:
+            return len(calls) == len(self.layers) and set(seen) == model
+        return set(seen) <= model
+
     def pass_complete(self, model_caches) -> None:
-        """After a pass that ran to its end: did it have the shape replay needs? (Every
-        decoder layer called once, in order, each with caches of its own that are the model's.)"""
-        calls, n = self._calls, len(self.layers)
-        seen = [id(c) for caches in self._caches for c in (caches or ())]
-        self.shape_ok = (
-            model_caches is not None and calls == list(range(n))
-            and len(seen) == len(set(seen)) and set(seen) == {id(c) for c in model_caches}
-        )
+        """After a pass that ran to its end: note whether the model has the shape replay needs."""
+        self.shape_ok = self._has_shape(model_caches, whole=True)
 
     def first_missed_layer(self, missing_streams, model_caches, complete: bool = True) -> int:
         """The decoder layer the next pass must compute from: the lowest layer holding a stream
@@ -106,12 +114,7 @@ class StepReplay:
         if complete:
             self.pass_complete(model_caches)
         elif self.shape_ok:
-            calls = self._calls
-            seen = [id(c) for index in calls for c in (self._caches[index] or ())]
-            self.shape_ok = (
-                model_caches is not None and calls == list(range(len(calls)))
-                and len(seen) == len(set(seen)) and set(seen) <= {id(c) for c in model_caches}
-            )
+            self.shape_ok = self._has_shape(model_caches, whole=False)
         if not self.shape_ok:
             return 0
         return min(self.layer_of[s] for s in missing_streams)
