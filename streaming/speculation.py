@@ -167,7 +167,7 @@ class DecodeSpeculation:
                 out = self._pass(run, replay_below)
                 needed, absent = self.checks.finish()
                 if not absent:
-                    if replay is not None:
+                    if replay is not None and not replay.shape_ok:  # a model's shape stays
                         replay.pass_complete(cache)
                     self._keep(needed, verified, fetched)
                     self.stats.steps += 1
