@@ -27,5 +27,5 @@ for r in range(rounds):
         before = spec.stats.as_dict()
         res = timed_generation(model, prompt, 64, 2048)
         after = spec.stats.as_dict()
-        delta = {k: after[k] - before[k] for k in ("steps", "passes_thrown", "passes_cut", "fallbacks", "layers_replayed")}
+        delta = {k: after[k] - before[k] for k in ("steps", "passes_thrown", "passes_cut", "fallbacks", "layers_replayed", "layers_computed")}
         print(json.dumps({"round": r, "variant": v, "decode_tok_s": round(res["decode_tok_s"], 2), **delta}), flush=True)
