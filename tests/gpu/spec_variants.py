@@ -2,7 +2,10 @@
 # Decode speed of speculation schedules side by side in one process, interleaved, with stock:
 # each round, every variant and stock generate from the same 512-token prompt (a new prompt
 # per round). VARIANT is a speculate_check_every value (0: one check at a pass's end), or
-# "layered" (speculation off). Prints one JSON line per run.
+# "layered" (speculation off); a value may end in "n" (no likely reads at a cut). The variants'
+# order rotates each round: a variant run right after a new prompt starts from a colder cache
+# (in one run the first variant of each round met 20% more thrown passes). Prints one JSON line
+# per run.
 import json, sys
 from pathlib import Path
 
@@ -15,15 +18,22 @@ ck, budget, rounds, variants = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 model, _, handle = loader.load(ck, budget_gib=budget)
 stock, _ = load_model(Path(ck))
 spec = handle.speculation
+orig_likely = spec.checks.likely_misses
+no_likely = False
+def likely():
+    found = orig_likely()  # read anyway: it also forgets the cut's group
+    return {} if no_likely else found
+spec.checks.likely_misses = likely
 for r in range(rounds):
     prompt = _prompt(_vocab(stock), 512, seed=r)
-    for v in variants + ["stock"]:
+    for v in variants[r % len(variants):] + variants[:r % len(variants)] + ["stock"]:
         if v == "stock":
             res = timed_generation(stock, prompt, 64, 2048)
             print(json.dumps({"round": r, "variant": v, "decode_tok_s": round(res["decode_tok_s"], 2)}), flush=True)
             continue
         spec._pause = 10**9 if v == "layered" else 0
-        spec.checks.every = 0 if v == "layered" else int(v)
+        no_likely = v.endswith("n")
+        spec.checks.every = 0 if v == "layered" else int(v.rstrip("n"))
         before = spec.stats.as_dict()
         res = timed_generation(model, prompt, 64, 2048)
         after = spec.stats.as_dict()
