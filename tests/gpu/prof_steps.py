@@ -13,7 +13,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from expert_stream.streaming import loader, pass_checks, speculation
