@@ -18,9 +18,10 @@ top-8, 32 slots, 3 x 64 greedy tokens) that cut thrown passes by 18-20% and the 
 computed by 3-4% against cutting without it, at every group size tried (1-8). Counts per step
 there: one check at the end 0.8 thrown passes, 81 layers computed; groups of 4 with likely
 misses 1.3 and 57 (48 is one clean pass).
-Interleaved in one process on an H200 (Qwen3-30B-A3B shape, a quarter of the experts), groups
-of 4 decoded at 18.0 / 18.9 / 16.6 tok/s against 15.4 / 11.6 / 12.6 for one check at the end
-(groups of 8: 22.0 / 14.4 / 17.5; tests/gpu/spec_variants.py).
+On an H200 (Qwen3-30B-A3B shape, a quarter of the experts, same process and prompts), groups
+of 4 decoded at 21.6 / 15.9 tok/s against 20.1 / 14.3 for one check at the end
+(tests/gpu/prof_steps.py). Groups of 8 and 12, and leaving two groups running instead of one,
+did no better (tests/gpu/spec_variants.py, variants interleaved in rotating order).
 
 Residency does not change during a pass (no reads are started inside one), so a group's
 verdict, taken early, holds for the whole pass.
