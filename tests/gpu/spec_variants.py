@@ -4,8 +4,8 @@
 # per round). VARIANT is a speculate_check_every value (0: one check at a pass's end), or
 # "layered" (speculation off); a value may end in "n" (no likely reads at a cut). The variants'
 # order rotates each round: a variant run right after a new prompt starts from a colder cache
-# (in one run the first variant of each round met 20% more thrown passes). Prints one JSON line
-# per run.
+# (in one run the first variant of a round threw 3-25% more passes than the same schedule run
+# later in the round). Prints one JSON line per run.
 import json, sys
 from pathlib import Path
 
