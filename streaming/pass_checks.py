@@ -20,8 +20,8 @@ there: one check at the end 0.8 thrown passes, 81 layers computed; groups of 4 w
 misses 1.3 and 57 (48 is one clean pass).
 On an H200 (Qwen3-30B-A3B shape, a quarter of the experts, same process and prompts), groups
 of 4 decoded at 21.6 / 15.9 tok/s against 20.1 / 14.3 for one check at the end
-(tests/gpu/prof_steps.py). Groups of 8 and 12, and leaving two groups running instead of one,
-did no better (tests/gpu/spec_variants.py, variants interleaved in rotating order).
+(tests/gpu/prof_steps.py). Groups of 12, and leaving two groups running instead of one (groups
+of 2, 4 or 8), did no better (tests/gpu/spec_variants.py, variants in rotating order).
 
 Residency does not change during a pass (no reads are started inside one), so a group's
 verdict, taken early, holds for the whole pass.
