@@ -21,7 +21,11 @@ misses 1.3 and 57 (48 is one clean pass).
 On an H200 (Qwen3-30B-A3B shape, a quarter of the experts, same process and prompts), groups
 of 4 decoded at 21.6 / 15.9 tok/s against 20.1 / 14.3 for one check at the end
 (tests/gpu/prof_steps.py). Groups of 12, and leaving two groups running instead of one (groups
-of 2, 4 or 8), did no better (tests/gpu/spec_variants.py, variants in rotating order).
+of 2, 4 or 8), did no better (tests/gpu/spec_variants.py, variants in rotating order), nor did
+smaller groups in the early layers (2, 2, 4, then 8). The checks have a price of their own: with
+every expert in a slot, so that no pass is thrown, steps checked every 4 layers ran at 0.75 of
+stock's rate and steps checked once at the end at 0.93 (tests/gpu/clean_steps.py; each hand-off
+of a group took about 1.3 ms of host time there).
 
 Residency does not change during a pass (no reads are started inside one), so a group's
 verdict, taken early, holds for the whole pass.
