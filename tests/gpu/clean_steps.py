@@ -34,7 +34,7 @@ def setup(variant):
 variants = ["spec4", "spec0", "resident", "stock"]
 for r in range(rounds):
     prompt = _prompt(_vocab(stock), 512, seed=r)
-    for v in variants[r % 4:] + variants[:r % 4]:
+    for v in variants[r % len(variants):] + variants[:r % len(variants)]:
         setup(v)
         before = spec.stats.as_dict()
         res = timed_generation(stock if v == "stock" else model, prompt, 64, 2048)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from expert_stream.streaming import loader, pass_checks, speculation
@@ -112,7 +113,7 @@ for every in schedules:
     res = timed_generation(stock, _prompt(_vocab(stock), 512, seed=0), 64, 2048)
     print(f"stock: {res['decode_tok_s']:.1f} tok/s", flush=True)
 
-cache = __import__("mlx_lm.models.cache", fromlist=["x"]).make_prompt_cache(stock)
+cache = make_prompt_cache(stock)
 mx.eval(stock(mx.array([list(range(3, 515))]), cache=cache))
 tok = mx.array([[7]]); builds, totals = [], []
 for i in range(40):
