@@ -3,6 +3,12 @@
 The cache only does bookkeeping over expert ids and slot numbers; the slot memory is
 `ExpertSlots` and the bytes come from the reader. Eviction decisions are delegated to a policy
 object (streaming/policy.py), the same code the trace simulator runs.
+
+A slot claims an expert only once its bytes have arrived: `place` reserves slots for experts
+about to be read (their victims are evicted at once, since their bytes are about to be
+overwritten), `claim` makes them resident after the read, `release` frees them after a failed
+one. A read that fails or is abandoned therefore never leaves a slot claiming bytes it did not
+receive.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class ExpertCache:
         self.num_slots = num_slots
         self.slot_of = np.full(num_experts, EMPTY, dtype=np.int32)
         self.expert_in = np.full(num_slots, EMPTY, dtype=np.int32)
+        self.incoming = np.full(num_slots, EMPTY, dtype=np.int32)  # reserved for a read in flight
         # Experts placed by a prefetch that no call has used yet (to score the lookahead).
         self.speculative = np.zeros(num_experts, dtype=bool)
         self.policy = make_policy(policy, num_experts, num_slots)
@@ -81,10 +88,13 @@ class ExpertCache:
         self.stats.misses += count
 
     def place(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> np.ndarray:
-        """Give each of `experts` (not resident) a slot, evicting others but never an expert in
-        `protected`; return the slots, aligned with `experts`. The caller fills them."""
+        """Reserve a slot for each of `experts` (not resident, not being read), evicting others
+        but never an expert in `protected`; return the slots, aligned with `experts`. The caller
+        reads the bytes into them, then calls `claim` (or `release` if the read failed)."""
+        if np.isin(experts, self.incoming).any():
+            raise RuntimeError(f"experts {experts[np.isin(experts, self.incoming)].tolist()} are already being read")
         slots = np.empty(len(experts), dtype=np.int32)
-        free = np.flatnonzero(self.expert_in == EMPTY)
+        free = np.flatnonzero((self.expert_in == EMPTY) & (self.incoming == EMPTY))
         n_free = min(len(free), len(experts))
         slots[:n_free] = free[:n_free]
         need = len(experts) - n_free
@@ -95,31 +105,37 @@ class ExpertCache:
             if int((~guard).sum()) < need:
                 raise RuntimeError(
                     f"cannot place {len(experts)} experts: {self.num_slots} slots, "
-                    f"{int(guard.sum())} protected"
+                    f"{int(guard.sum())} protected, {int((self.incoming != EMPTY).sum())} being read"
                 )
             victims = np.asarray(self.policy.choose_victims(resident, need, guard), dtype=np.int32)
             victim_slots = self.slot_of[victims]
             for v in victims:
                 self.policy.on_evict(int(v))
             self.slot_of[victims] = EMPTY
+            self.expert_in[victim_slots] = EMPTY
             self.speculative[victims] = False
             self.stats.evictions += need
+            self.version += 1
             slots[n_free:] = victim_slots
-        self.slot_of[experts] = slots
-        self.expert_in[slots] = experts
-        self.version += 1
-        if prefetched:
-            self.speculative[experts] = True
+        self.incoming[slots] = experts
+        self.speculative[experts] = prefetched
         for e in experts:
             self.policy.on_insert(int(e), prefetched)
         return slots
 
-    def drop(self, experts: np.ndarray) -> None:
-        """Forget experts whose slots do not hold valid bytes (a failed read)."""
-        experts = experts[self.slot_of[experts] != EMPTY]
-        self.expert_in[self.slot_of[experts]] = EMPTY
-        self.slot_of[experts] = EMPTY
+    def claim(self, slots: np.ndarray) -> None:
+        """The bytes of the experts reserved in `slots` have arrived: they are resident now."""
+        experts = self.incoming[slots]
+        self.slot_of[experts] = slots
+        self.expert_in[slots] = experts
+        self.incoming[slots] = EMPTY
         self.version += 1
+
+    def release(self, slots: np.ndarray) -> None:
+        """The read into `slots` failed or was abandoned: they hold no valid expert."""
+        experts = self.incoming[slots]
+        experts = experts[experts != EMPTY]
+        self.incoming[slots] = EMPTY
         self.speculative[experts] = False
         for e in experts:
             self.policy.on_evict(int(e))

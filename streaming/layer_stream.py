@@ -34,6 +34,7 @@ class LayerStream:
         self.reader = reader
         self.pending: list[mx.array] = []  # outputs not known to be evaluated; they pin slots
         self.prefetching: PendingReads | None = None
+        self.in_flight: list[PendingReads] = []  # reads this layer started and did not finish
         self.lookahead = None  # Lookahead into the next streamed layer (set by the loader)
         self.scratch = None  # ScratchPool shared by the model's layers (prefill sweep)
         self.last_guess: np.ndarray | None = None
@@ -77,34 +78,67 @@ class LayerStream:
             for e, ds in zip(experts, dests)
             for t, d in zip(self.slots.tensors, ds)
         ]
-        return PendingReads(target, experts, slots, staged, self.reader.submit(requests))
+        try:
+            future = self.reader.submit(requests)
+        except BaseException:
+            target.release(staged)
+            raise
+        reads = PendingReads(target, experts, slots, staged, future)
+        self.in_flight.append(reads)
+        return reads
 
     def start_reads(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> PendingReads:
-        """Give `experts` cache slots (never evicting `protected`) and start reading them."""
+        """Reserve cache slots for `experts` (never evicting `protected`) and start reading them."""
         self.settle()
         slots = self.cache.place(experts, protected, prefetched)
-        return self.read_into(self.slots, experts, slots)
+        try:
+            return self.read_into(self.slots, experts, slots)
+        except BaseException:
+            self.cache.release(slots)
+            raise
 
     def finish_reads(self, reads: PendingReads, pending=()) -> None:
-        """Wait for the reads and make the bytes visible to MLX."""
+        """Wait for the reads and make the bytes visible to MLX; only then do their slots claim
+        the experts. A read that fails leaves its slots empty."""
         t0 = time.perf_counter()
         try:
-            result = reads.future.result()
-        except Exception as exc:
-            reads.target.release(reads.staged)
-            if reads.target is self.slots:
-                self.cache.drop(reads.experts)
+            try:
+                result = reads.future.result()
+                stats = self.cache.stats
+                stats.read_seconds += time.perf_counter() - t0
+                stats.bytes_read += result.bytes
+                if reads.target.write_mode != "direct" and pending:
+                    mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
+                reads.target.commit(reads.slots, reads.staged)
+            finally:
+                if reads in self.in_flight:
+                    self.in_flight.remove(reads)
+        except BaseException as exc:
+            self._discard(reads)
             if isinstance(exc, ReadError):
                 raise ReadError(f"{self.name}: {exc}") from exc
             raise
-        stats = self.cache.stats
-        stats.read_seconds += time.perf_counter() - t0
-        stats.bytes_read += result.bytes
-        if reads.target.write_mode != "direct" and pending:
-            mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
-        reads.target.commit(reads.slots, reads.staged)
-        if reads.target is self.slots and not self.all_resident:
-            self.check_all_resident()
+        if reads.target is self.slots:
+            self.cache.claim(reads.slots)
+            if not self.all_resident:
+                self.check_all_resident()
+
+    def reap(self) -> None:
+        """Before this layer starts new work: the reads a failed call left behind (all in flight
+        but the lookahead's) are waited for, so that no thread still writes their slots or
+        scratch buffers, and their slots freed."""
+        for reads in [r for r in self.in_flight if r is not self.prefetching]:
+            self.in_flight.remove(reads)
+            try:
+                reads.future.result()
+            except Exception:
+                pass
+            self._discard(reads)
+
+    def _discard(self, reads: PendingReads) -> None:
+        reads.target.release(reads.staged)
+        if reads.target is self.slots:
+            self.cache.release(reads.slots)
 
     def check_all_resident(self) -> None:
         cache = self.cache
@@ -129,6 +163,7 @@ class LayerStream:
     def prefetch(self, guessed: np.ndarray, cap: int) -> None:
         """Start speculative reads of the guessed experts this layer lacks (first `cap`)."""
         self.await_prefetch()
+        self.reap()
         wanted = guessed[~self.cache.resident(guessed)][:cap]
         if wanted.size == 0:
             return

@@ -247,13 +247,19 @@ class DecodeSpeculation:
     def _fetch(self, missing: dict, fetched: dict, more=None) -> None:
         """Read the experts a thrown-away pass found missing, all layers' reads in flight at once;
         `more()`, called once those reads are under way, gives likely ones to read as well."""
-        reads = [(s, s.start_reads(a, protected=n)) for s, (n, a) in missing.items()]
-        if more is not None:
-            extra = {s: v for s, v in more().items() if s not in missing}
-            reads += [(s, s.start_reads(a, protected=n)) for s, (n, a) in extra.items()]
-            missing = {**missing, **extra}
-        for s, r in reads:
-            s.finish_reads(r)
+        reads = []
+        try:
+            reads += [(s, s.start_reads(a, protected=n)) for s, (n, a) in missing.items()]
+            if more is not None:
+                extra = {s: v for s, v in more().items() if s not in missing}
+                reads += [(s, s.start_reads(a, protected=n)) for s, (n, a) in extra.items()]
+                missing = {**missing, **extra}
+            for s, r in reads:
+                s.finish_reads(r)
+        except BaseException:
+            for s, _ in reads:
+                s.reap()  # the other layers' reads: none may claim a slot or write one later
+            raise
         for s, (_, a) in missing.items():
             fetched[s] = a if s not in fetched else np.union1d(fetched[s], a)
 

@@ -63,6 +63,18 @@ class StreamedSwitch(nn.Module):
             stream.pending.append(y)
             checks.computed(stream, y)  # may end the pass here (pass_checks.MissFound)
             return y
+        stream.reap()
+        try:
+            y = self._streamed(x, indices)
+        except BaseException:
+            stream.reap()  # a failed call leaves no read behind that could still write a slot
+            raise
+        stream.pending.append(y)
+        return y
+
+    def _streamed(self, x: mx.array, indices: mx.array) -> mx.array:
+        """The layer-by-layer path: find the call's misses, read them, compute."""
+        stream = self.stream
         stream.await_prefetch()
         single_token = indices.size == indices.shape[-1]
         look = stream.lookahead if single_token else None
@@ -75,11 +87,8 @@ class StreamedSwitch(nn.Module):
         needed = np.unique(ids)
         stream.score_guess(needed)
         if needed.size > stream.cache.num_slots:
-            y = sweep(self, x, ids, needed, stock_sorts(indices.size))
-        else:
-            y = self._from_slots(x, indices, ids, needed, look, guess)
-        stream.pending.append(y)
-        return y
+            return sweep(self, x, ids, needed, stock_sorts(indices.size))
+        return self._from_slots(x, indices, ids, needed, look, guess)
 
     def _from_slots(self, x, indices, ids, needed, look, guess):
         stream = self.stream

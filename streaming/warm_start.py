@@ -84,20 +84,26 @@ def preload(streams, trace: RoutingTrace, columns: list[int]) -> int:
     for stream, column in zip(streams, columns):
         top = most_used(trace, column, stream.cache.num_slots)
         top = top[top < stream.cache.num_experts]
-        if top.size:
-            stream.finish_reads(stream.start_reads(top, protected=top))
+        absent = top[~stream.cache.resident(top)]
+        if absent.size:
+            stream.finish_reads(stream.start_reads(absent, protected=top))
     return sum(s.cache.stats.bytes_read for s in streams) - before
 
 
 def preload_all(streams) -> int:
     """Read every expert of layers that have a slot for each (all batches in flight at once)."""
     pending = []
-    for stream in streams:
-        everything = np.arange(stream.cache.num_experts)
-        pending.append((stream, stream.start_reads(everything, protected=everything)))
     total = 0
-    for stream, reads in pending:
-        before = stream.cache.stats.bytes_read
-        stream.finish_reads(reads)
-        total += stream.cache.stats.bytes_read - before
+    try:
+        for stream in streams:
+            everything = np.arange(stream.cache.num_experts)
+            pending.append((stream, stream.start_reads(everything, protected=everything)))
+        for stream, reads in pending:
+            before = stream.cache.stats.bytes_read
+            stream.finish_reads(reads)
+            total += stream.cache.stats.bytes_read - before
+    except BaseException:
+        for stream, _ in pending:
+            stream.reap()
+        raise
     return total

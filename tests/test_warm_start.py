@@ -27,7 +27,7 @@ def test_hit_curve_matches_the_lru_cache(tmp_path):
             missing = cache.access(needed)
             hits += needed.size - missing.size
             if missing.size:
-                cache.place(missing, protected=needed)
+                cache.claim(cache.place(missing, protected=needed))
         assert curve[capacity] == pytest.approx(hits, rel=0.01), capacity
 
 

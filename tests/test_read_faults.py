@@ -1,0 +1,117 @@
+"""A read that fails leaves no slot claiming bytes it did not receive: after any failed read, on
+every path that reads (decode with overlap, lookahead prefetch, prefill sweep with adoption,
+speculative decode, warm start), the next request's logits are stock's, bitwise.
+
+The faults come from a reader that, from its Nth batch on, scribbles over the destinations (as a
+short or corrupt read would) and raises ReadError, until it is healed: the way a truncated shard
+that is restored afterwards behaves."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from exactness import assert_same_logits, load_pair, prompt_ids
+from expert_stream.streaming.errors import ReadError
+from expert_stream.streaming.traces import RoutingTrace
+from expert_stream.streaming.warm_start import preload
+
+
+class FailingReader:
+    """Wraps the model's ExpertReader; batch number `fail_from` and later ones fail."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.batches = 0
+        self.fail_from = None
+
+    def submit(self, requests):
+        self.batches += 1
+        if self.fail_from is None or self.batches < self.fail_from:
+            return self.inner.submit(requests)
+        future = concurrent.futures.Future()
+        for r in requests:  # what a short read of a changed file leaves behind
+            np.frombuffer(memoryview(r.dest).cast("B"), dtype=np.uint8)[:] = 0xA5
+        future.set_exception(ReadError(f"injected failure of batch {self.batches}"))
+        return future
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def with_failing_reader(handle) -> FailingReader:
+    faulty = FailingReader(handle.reader)
+    for s in handle.streams:
+        s.reader = faulty
+    return faulty
+
+
+def run_until_failure(model, faulty, fail_from, prompt_len, decode_steps, seed):
+    """One request (prefill, then greedy decode) with reads failing from batch `fail_from` on."""
+    faulty.batches, faulty.fail_from = 0, fail_from
+    cache = make_prompt_cache(model)
+    try:
+        logits = model(prompt_ids(prompt_len, seed=seed), cache=cache)
+        for _ in range(decode_steps):
+            token = mx.argmax(logits[:, -1:], axis=-1)
+            logits = model(token, cache=cache)
+            mx.eval(logits)
+        mx.eval(logits)
+    except ReadError:
+        return True
+    finally:
+        faulty.fail_from = None
+    return False
+
+
+# (settings, prompt length, share of experts in the cache): each reaches another reading path.
+PATHS = {
+    "decode-overlap": (dict(prefetch=False, speculate=False), 4, None),
+    "prefetch": (dict(prefetch=True, speculate=False), 4, None),
+    "sweep-adoption": (dict(prefetch=False, speculate=False), 48, None),
+    "speculation": (dict(prefetch=False, speculate=True), 4, 0.5),
+    "staged-writes": (dict(prefetch=True, speculate=False, slot_write="staged"), 48, None),
+}
+
+
+@pytest.mark.parametrize("path_name", list(PATHS))
+def test_failed_reads_leave_no_wrong_slot(checkpoints, path_name):
+    settings, prompt_len, share = PATHS[path_name]
+    path = checkpoints("qwen3_moe", layers=3)
+    slots = None if share is None else int(share * 16)
+    stock, streamed, handle = load_pair(path, slots=slots, **settings)
+    if handle.speculation is not None:
+        handle.speculation.adaptive = False  # speculate every step
+    faulty = with_failing_reader(handle)
+    failures = 0
+    for i, fail_from in enumerate((1, 2, 3, 5, 8, 13)):
+        failures += run_until_failure(streamed, faulty, fail_from, prompt_len, decode_steps=6, seed=10 + i)
+        assert_same_logits(stock, streamed, prompt_ids(prompt_len + 3, seed=i), decode_steps=6)
+    assert failures >= 3, f"only {failures} requests met a failing read: the test reads too little"
+    if path_name == "prefetch":
+        assert handle.stats()["totals"]["prefetch_reads"] > 0
+    if path_name == "speculation":
+        assert handle.stats()["speculation"]["passes_thrown"] > 0
+    if path_name.startswith("sweep") or prompt_len > 16:
+        assert handle.stats()["totals"]["sweep_calls"] > 0
+    handle.close()
+
+
+def test_failed_warm_start_reads_leave_no_wrong_slot(checkpoints):
+    path = checkpoints("qwen3_moe", layers=3)
+    stock, streamed, handle = load_pair(path, slots=8, prefetch=False, speculate=False)
+    faulty = with_failing_reader(handle)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 16, (64, len(handle.streams), 4)).astype(np.int16)
+    trace = RoutingTrace(ids=ids, layer_ids=np.arange(len(handle.streams)), num_experts=16)
+    for fail_from in (1, 2, 3):
+        faulty.batches, faulty.fail_from = 0, fail_from
+        with pytest.raises(ReadError):
+            preload(handle.streams, trace, list(range(len(handle.streams))))
+        faulty.fail_from = None
+        assert_same_logits(stock, streamed, prompt_ids(9, seed=fail_from), decode_steps=4)
+    handle.close()
