@@ -7,14 +7,17 @@ here reads tensor data, so indexing a 600 GB checkpoint costs a few header reads
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ShardChangedError
 
 # Bytes per element of the safetensors dtypes MLX checkpoints use.
 DTYPE_BYTES = {
@@ -41,6 +44,63 @@ class TensorInfo:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class ShardIdentity:
+    """What a shard was when its header was indexed. Expert bytes are read later, at their
+    offsets in that header: a file changed since (rewritten in place, copied over, replaced by
+    a rename) would give another file's bytes, so every read checks the shard is still this."""
+
+    path: Path
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    header_sha256: str
+
+    @classmethod
+    def of(cls, path: Path, st: os.stat_result, header: bytes) -> "ShardIdentity":
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest())
+
+    def changed(self, st: os.stat_result) -> str | None:
+        """How `st` (of the open file or of the path now) differs from this identity, or None."""
+        if (st.st_dev, st.st_ino) != (self.device, self.inode):
+            return "it was replaced by another file"
+        if st.st_size != self.size:
+            return f"its size changed from {self.size} to {st.st_size} bytes"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "it was modified"
+        return None
+
+    def check_open(self, fd: int) -> None:
+        """At load: the descriptor the reader opened is the indexed file, header and all."""
+        why = self.changed(os.fstat(fd))
+        if why is None:
+            head = os.pread(fd, 8, 0)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            header = os.pread(fd, length, 8) if length <= MAX_HEADER_BYTES else b""
+            if hashlib.sha256(header).hexdigest() != self.header_sha256:
+                why = "its header changed"
+        if why is not None:
+            raise self.error(why)
+
+    def check_now(self, fd: int) -> None:
+        """After a read: the open file was not modified and the path still names it."""
+        why = self.changed(os.fstat(fd))
+        if why is None:
+            try:
+                why = self.changed(os.stat(self.path))
+            except OSError as exc:
+                why = f"it can no longer be opened ({exc.strerror})"
+        if why is not None:
+            raise self.error(why)
+
+    def error(self, why: str) -> ShardChangedError:
+        return ShardChangedError(
+            f"shard {self.path} changed on disk since the model was loaded ({why}); its experts can no "
+            "longer be read consistently, so this model stops here: reload it"
+        )
+
+
 class CheckpointIndex:
     """All tensors of an MLX checkpoint folder, from shard headers, validated against file sizes."""
 
@@ -55,8 +115,11 @@ class CheckpointIndex:
             raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
         self.files = self._shard_files()
         self.tensors: dict[str, TensorInfo] = {}
+        self.identities: list[ShardIdentity] = []
         for i, path in enumerate(self.files):
-            for info in _read_header(path, i):
+            infos, identity = _read_header(path, i)
+            self.identities.append(identity)
+            for info in infos:
                 self.tensors[info.name] = info
 
     def _shard_files(self) -> list[Path]:
@@ -67,6 +130,9 @@ class CheckpointIndex:
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index_path}: no readable weight_map ({exc})") from None
             names = sorted(set(weight_map.values()))
+            odd = [n for n in names if (self.model_dir / n).exists() and not (self.model_dir / n).is_file()]
+            if odd:
+                raise CheckpointError(f"{self.model_dir / odd[0]}: not a regular file; a shard must be a safetensors file")
             missing = [n for n in names if not (self.model_dir / n).is_file()]
             if missing:
                 raise CheckpointError(
@@ -103,9 +169,12 @@ class CheckpointIndex:
         return [k for k in self.tensors if pattern.match(k) or pattern.match(k.split("language_model.", 1)[-1])]
 
 
-def _read_header(path: Path, file_index: int) -> list[TensorInfo]:
+def _read_header(path: Path, file_index: int) -> tuple[list[TensorInfo], ShardIdentity]:
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # opening a FIFO would block until a writer comes
+            raise CheckpointError(f"{path}: not a regular file; a shard must be a safetensors file")
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -149,4 +218,4 @@ def _read_header(path: Path, file_index: int) -> list[TensorInfo]:
                 f"but the file has {size} bytes; re-download this shard"
             )
         infos.append(TensorInfo(name, file_index, dtype, shape, data_start + begin, data_start + end))
-    return infos
+    return infos, ShardIdentity.of(path, st, raw)

@@ -14,6 +14,10 @@ class ReadError(ExpertStreamError):
     """An I/O error or short read while reading expert bytes from a shard."""
 
 
+class ShardChangedError(ReadError):
+    """A shard differs from what was indexed at load: the model must be reloaded."""
+
+
 class BudgetError(ExpertStreamError):
     """The expert budget cannot hold what one step needs."""
 

@@ -116,7 +116,7 @@ class LayerStream:
         except BaseException as exc:
             self._discard(reads)
             if isinstance(exc, ReadError):
-                raise ReadError(f"{self.name}: {exc}") from exc
+                raise type(exc)(f"{self.name}: {exc}") from exc
             raise
         if reads.target is self.slots:
             self.cache.claim(reads.slots)

@@ -62,6 +62,7 @@ def load(
     model, config = load_model(model_path, lazy=True, model_config=model_config)
     handle = attach(model, index, stream_settings, architectures)
     mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
+    handle.reader.verify()  # the trunk just read came from the shards the experts will come from
     tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, handle
 
@@ -99,7 +100,7 @@ def attach(
     )
     reader = ExpertReader(
         index.files, threads=settings.reader_threads, cache_bypass=settings.cache_bypass,
-        backend=settings.reader,
+        backend=settings.reader, identities=index.identities,
     )
     write_mode = resolve_slot_write(settings.slot_write)
     scratch = ScratchPool(write_mode)

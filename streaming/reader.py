@@ -222,7 +222,8 @@ class ExpertReader:
     file, and stay open until close()."""
 
     def __init__(self, paths: Sequence, *, threads: int = 4, cache_bypass: str = "auto", backend: str = "auto",
-                 max_span_bytes: int = MAX_SPAN, min_span_bytes: int = MIN_SPAN, bounce_bytes: int = BOUNCE_BYTES):
+                 max_span_bytes: int = MAX_SPAN, min_span_bytes: int = MIN_SPAN, bounce_bytes: int = BOUNCE_BYTES,
+                 identities: Optional[Sequence] = None):
         if cache_bypass not in _MODES:
             raise ValueError(f"cache_bypass must be one of {', '.join(_MODES)}, got {cache_bypass!r}")
         if backend not in ("auto", "native", "python"):
@@ -263,6 +264,20 @@ class ExpertReader:
         self.total_bytes = 0
         self.total_seconds = 0.0
         self.total_batches = 0
+        # checkpoint.ShardIdentity per file: every shard is opened now and checked against it,
+        # and again after each batch; the first change fails this read and every later one.
+        self.identities = list(identities) if identities is not None else None
+        self.failure: Optional[ReadError] = None
+        if self.identities is not None:
+            try:
+                self._ensure_open(range(n))
+                for f, identity in enumerate(self.identities):
+                    identity.check_open(self._fds[f])
+                    if self._dfds[f] >= 0:
+                        identity.check_now(self._dfds[f])
+            except BaseException:
+                self._close(wait=False)
+                raise
 
     # ---------------------------------------------------------------- public API
 
@@ -418,7 +433,10 @@ class ExpertReader:
             self._inflight += 1
         result = None
         try:
+            if self.failure is not None:
+                raise self.failure
             result = self._execute_inner(plan)
+            self._check_unchanged(plan)
             return result
         finally:
             with self._idle:
@@ -429,6 +447,27 @@ class ExpertReader:
                     self.total_batches += 1
                 if not self._inflight:
                     self._idle.notify_all()
+
+    def verify(self) -> None:
+        """Raise ShardChangedError if any shard changed since it was indexed (see `identities`)."""
+        self._check_files(range(len(self.paths)))
+
+    def _check_unchanged(self, plan) -> None:
+        """The bytes just read came from the files the index described."""
+        if self.identities is not None:
+            self._check_files(plan.files() if self.backend == "native" else sorted({s.file for s in plan[0]}))
+
+    def _check_files(self, files) -> None:
+        if self.identities is None:
+            return
+        if self.failure is not None:
+            raise self.failure
+        try:
+            for f in files:
+                self.identities[f].check_now(self._fds[f])
+        except ReadError as exc:
+            self.failure = exc
+            raise
 
     def _execute_inner(self, plan) -> ReadResult:
         for attempt in (0, 1):

@@ -125,6 +125,7 @@ def _load_streamed(bound, target: Target):
         handle = attach(model, model_path, settings, plugins.architectures(pm))
         if eager:
             mx.eval(model.parameters())  # the trunk; the streamed experts are slots, not weights
+            handle.reader.verify()  # the trunk came from the shards the experts will come from
     finally:
         _busy.on = False
     old = None
