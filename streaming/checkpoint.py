@@ -28,6 +28,7 @@ DTYPE_BYTES = {
 }
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,9 @@ class CheckpointIndex:
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: not found; a model folder needs config.json")
-        try:
-            self.config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+        self.config = _load_json(config_path)
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_path}: not a JSON object")
         self.files = self._shard_files()
         self.tensors: dict[str, TensorInfo] = {}
         self.identities: list[ShardIdentity] = []
@@ -120,31 +120,66 @@ class CheckpointIndex:
             infos, identity = _read_header(path, i)
             self.identities.append(identity)
             for info in infos:
+                self._check_tensor(info)
                 self.tensors[info.name] = info
 
     def _shard_files(self) -> list[Path]:
-        index_path = self.model_dir / "model.safetensors.index.json"
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index_path}: no readable weight_map ({exc})") from None
-            names = sorted(set(weight_map.values()))
-            odd = [n for n in names if (self.model_dir / n).exists() and not (self.model_dir / n).is_file()]
-            if odd:
-                raise CheckpointError(f"{self.model_dir / odd[0]}: not a regular file; a shard must be a safetensors file")
+        """The shards stock mlx-lm loads (every model*.safetensors of the folder), checked
+        against the index where there is one: the two must name the same files."""
+        files = sorted(self.model_dir.glob("model*.safetensors"))
+        for path in files:
+            if not path.is_file():
+                raise CheckpointError(f"{path}: not a regular file; a shard must be a safetensors file")
+        self.weight_map = self._weight_map()
+        if self.weight_map is not None:
+            index = self.model_dir / INDEX_NAME
+            names = sorted(set(self.weight_map.values()))
             missing = [n for n in names if not (self.model_dir / n).is_file()]
             if missing:
                 raise CheckpointError(
                     f"{self.model_dir}: shard(s) {', '.join(missing)} listed in "
-                    f"{index_path.name} are missing; re-download or re-convert the checkpoint"
+                    f"{index.name} are missing; re-download or re-convert the checkpoint"
                 )
-            return [self.model_dir / n for n in names]
-        # Same rule as mlx_lm.utils.load_model when there is no index.
-        files = sorted(self.model_dir.glob("model*.safetensors"))
+            unlisted = [p.name for p in files if p.name not in set(names)]
+            if unlisted:
+                raise CheckpointError(
+                    f"{index}: shard(s) {', '.join(unlisted)} of the folder are not in its weight_map, "
+                    "but mlx-lm loads every model*.safetensors file: remove the stray shard(s) or "
+                    "re-convert the checkpoint"
+                )
         if not files:
             raise CheckpointError(f"{self.model_dir}: no model*.safetensors shards found")
         return files
+
+    def _weight_map(self) -> dict[str, str] | None:
+        index = self.model_dir / INDEX_NAME
+        if not index.is_file():
+            return None
+        data = _load_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: no readable weight_map (an object of tensor name -> shard file name)")
+        for name in set(weight_map.values()):
+            if Path(name).name != name or not name.startswith("model") or not name.endswith(".safetensors"):
+                raise CheckpointError(f"{index}: weight_map names {name!r}, not a model*.safetensors file of the folder")
+        return weight_map
+
+    def _check_tensor(self, info: "TensorInfo") -> None:
+        """A tensor in two shards, or in another shard than the index says, would make stock
+        and the engine read different bytes (stock keeps whichever file it loads last)."""
+        here = self.files[info.file]
+        if info.name in self.tensors:
+            other = self.files[self.tensors[info.name].file]
+            raise CheckpointError(
+                f"{here}: tensor {info.name} is also in {other.name}; a tensor must be in one shard only"
+            )
+        listed = self.weight_map.get(info.name) if self.weight_map is not None else None
+        if listed is not None and listed != here.name:
+            raise CheckpointError(
+                f"{here}: tensor {info.name} is here, but {INDEX_NAME} puts it in {listed}; re-convert the checkpoint"
+            )
 
     @property
     def model_type(self) -> str:
@@ -188,26 +223,20 @@ def _read_header(path: Path, file_index: int) -> tuple[list[TensorInfo], ShardId
             raw = f.read(header_len)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header does not parse ({exc})") from None
+    header = _parse_json(raw, path, "safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header does not parse (not a JSON object)")
     data_start = 8 + header_len
     infos = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {entry!r}") from None
+        dtype, shape, begin, end = _entry_fields(entry)
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {_short(entry)}")
         if dtype not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name}: unsupported dtype {dtype}")
-        if end - begin != math.prod(shape) * DTYPE_BYTES[dtype] or begin < 0:
+        if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise CheckpointError(
                 f"{path}: tensor {name}: data_offsets {begin}..{end} do not match "
                 f"shape {list(shape)} of {dtype}"
@@ -219,3 +248,42 @@ def _read_header(path: Path, file_index: int) -> tuple[list[TensorInfo], ShardId
             )
         infos.append(TensorInfo(name, file_index, dtype, shape, data_start + begin, data_start + end))
     return infos, ShardIdentity.of(path, st, raw)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _entry_fields(entry):
+    """(dtype, shape, begin, end) of a header entry, or Nones when it is malformed."""
+    if not isinstance(entry, dict):
+        return None, None, None, None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if (
+        not isinstance(dtype, str)
+        or not isinstance(shape, list) or not all(_is_count(d) for d in shape)
+        or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        return None, None, None, None
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _parse_json(raw: str | bytes, path: Path, what: str):
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: {what} does not parse ({exc})") from None
+
+
+def _load_json(path: Path):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    return _parse_json(text, path, "JSON")

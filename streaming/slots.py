@@ -35,6 +35,8 @@ MX_DTYPES = {
     "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16,
     "U32": mx.uint32, "I32": mx.int32, "U8": mx.uint8, "I8": mx.int8,
     "U16": mx.uint16, "I16": mx.int16, "U64": mx.uint64, "I64": mx.int64, "BOOL": mx.bool_,
+    # MLX has no 8-bit float type: mx.load gives these bytes as uint8, and so do the slots.
+    "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8, "F64": mx.float64,
 }
 
 
