@@ -27,8 +27,9 @@ class StreamSettings:
     prefetch: Optional[bool] = None
     # At most this many speculative reads per layer per token.
     prefetch_per_layer: int = 4
-    # Leave MoE layers whose experts all fit in their share of the budget as stock resident layers.
-    resident: bool = False
+    # Leave MoE layers whose experts all fit in their share of the budget as stock layers (their
+    # experts load with the trunk and run at stock's speed); false streams them through slots.
+    resident: bool = True
     # Routing trace (expert-stream trace) whose most used experts are loaded into the slots at load.
     warm_start: Optional[str] = None
     # Tokens per prefill chunk handed to the model (the host's prefill_step_size when it has one).

@@ -143,3 +143,18 @@ def test_lookahead_reports_and_switches_off(checkpoints):
     assert sum(v["guesses"] for v in per_layer.values()) > 0
     handle.close()
     handle2.close()
+
+
+def test_layers_that_fit_stay_stock_layers(checkpoints):
+    """`resident` (default on): a budget holding every expert leaves the stock blocks in place;
+    off, the same budget streams them through slots. Either way the logits are stock's."""
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    path = checkpoints("qwen3_moe", layers=2)
+    experts = checkpoint_footprint(path).num_experts[0]
+    for resident, streamed_layers in ((True, 0), (False, 2)):
+        stock, streamed, handle = load_pair(path, slots=experts, resident=resident)
+        assert len(_streamed_layers(streamed)) == streamed_layers
+        assert handle.stats()["resident_layers"] == 2 - streamed_layers
+        assert_same_logits(stock, streamed, prompt_ids(12), decode_steps=3)
+        handle.close()
