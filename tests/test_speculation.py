@@ -125,7 +125,7 @@ def test_speculating_model_looks_like_stock(checkpoints):
     assert isinstance(streamed, type(stock)) and type(streamed) is not type(stock)
     assert type(streamed).__name__ == type(stock).__name__
     assert type(streamed).__module__ == type(stock).__module__
-    assert streamed.layers is streamed.model.layers  # attributes pass through
+    assert streamed.model is streamed["model"]  # attributes pass through
     handle.close()
 
 
