@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def load(path, budget_gib=None, **settings):
+
+def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, **settings):
     """Load an MoE checkpoint with its routed experts streamed from disk.
 
     Returns (model, tokenizer, handle); see `expert_stream.streaming.loader.load`. The
     architectures come from the `register_architectures` hook (built-ins and installed
-    plugins); `validate_settings` plugins may refuse the settings before anything loads.
+    plugins); `detect_moe` plugins decide whether it is an MoE checkpoint, and
+    `validate_settings` plugins may refuse the settings, before anything loads.
     """
     from expert_stream.plugin import plugins
     from expert_stream.streaming import loader
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.errors import NotMoEError
     from expert_stream.streaming.settings import StreamSettings
 
     pm = plugins.get_plugin_manager()
-    specs = plugins.architectures(pm)
     where = f"expert_stream.load({str(path)!r})"
-    checked = dict(settings)
     if budget_gib is not None:
-        checked["budget_gib"] = budget_gib
-    engine_keys = {"tokenizer_config", "model_config"}
-    stream_settings = StreamSettings.from_mapping(
-        {k: v for k, v in checked.items() if k not in engine_keys}, where=where
-    )
+        settings["budget_gib"] = budget_gib
+    stream_settings = StreamSettings.from_mapping(settings, where=where)
+    index = CheckpointIndex(Path(path).expanduser())
+    if not pm.hook.detect_moe(index=index):
+        raise NotMoEError(
+            f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers (no "
+            "detect_moe plugin found experts to stream); load it with mlx_lm.load"
+        )
     pm.hook.validate_settings(settings=stream_settings, model_path=str(path), where=where)
-    model, tokenizer, handle = loader.load(path, budget_gib=budget_gib, architectures=specs, **settings)
+    model, tokenizer, handle = loader.load_streamed(
+        path, stream_settings, architectures=plugins.architectures(pm),
+        tokenizer_config=tokenizer_config, model_config=model_config, index=index,
+    )
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle

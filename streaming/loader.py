@@ -51,16 +51,32 @@ def load(
     are streamed; use it with `mlx_lm.generate` / `stream_generate` as usual. `handle.stats()`
     reports the cache counters; `handle.close()` releases the reader.
     """
+    if budget_gib is not None:
+        settings["budget_gib"] = budget_gib
+    return load_streamed(
+        path, StreamSettings.from_mapping(settings, where="expert_stream.load"),
+        architectures=architectures, tokenizer_config=tokenizer_config, model_config=model_config,
+    )
+
+
+def load_streamed(
+    path: str | Path,
+    settings: StreamSettings,
+    *,
+    architectures: list[ArchitectureSpec] | None = None,
+    tokenizer_config: dict | None = None,
+    model_config: dict | None = None,
+    index: CheckpointIndex | None = None,
+):
+    """`load` with its settings parsed (and its checkpoint indexed, when `index` is given)."""
     from mlx_lm.utils import load_model, load_tokenizer
 
     model_path = Path(path).expanduser()
-    if budget_gib is not None:
-        settings["budget_gib"] = budget_gib
-    stream_settings = StreamSettings.from_mapping(settings, where="expert_stream.load")
-    index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
+    if index is None:
+        index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
     check_quantization(index)
     model, config = load_model(model_path, lazy=True, model_config=model_config)
-    handle = attach(model, index, stream_settings, architectures)
+    handle = attach(model, index, settings, architectures)
     mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
     handle.reader.verify()  # the trunk just read came from the shards the experts will come from
     tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
@@ -121,8 +137,7 @@ def attach(
     for s in streams:
         s.cache.stats = LayerStats()  # the counters describe serving, not loading
     speculation = None
-    # skip_miss_below acts where a miss is met layer by layer; a speculative pass would read it.
-    if settings.speculate and settings.skip_miss_below is None and any(not s.all_resident for s in streams):
+    if settings.speculates and any(not s.all_resident for s in streams):
         speculation = DecodeSpeculation(streams, check_every=settings.speculate_check_every)
         install(model, speculation)
     log.info(

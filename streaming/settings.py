@@ -49,8 +49,9 @@ class StreamSettings:
     overlap: bool = True
     # Run a decode step as one graph (no sync per layer), its routing checked a group of layers
     # at a time; a step that met a miss is rewound, its misses read, and run again
-    # (streaming/speculation.py).
-    speculate: bool = True
+    # (streaming/speculation.py). None: on, except with skip_miss_below, which acts where a miss
+    # is met layer by layer.
+    speculate: Optional[bool] = None
     # Streamed layers per routing check inside a speculative pass: a group that met a miss ends
     # the pass there (streaming/pass_checks.py). 0: check once, when the pass ends.
     speculate_check_every: int = 4
@@ -79,12 +80,22 @@ class StreamSettings:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:
             raise SettingsError("skip_miss_below must be in [0, 1)")
+        if self.speculate and self.skip_miss_below is not None:
+            raise SettingsError(
+                "speculate: true cannot go with skip_miss_below (skipping a miss needs the layer-by-layer "
+                "path); leave speculate unset or false"
+            )
         if self.warm_start is not None and not Path(self.warm_start).expanduser().is_file():
             raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
 
     @property
     def budget_bytes(self) -> int:
         return int(self.budget_gib * GIB)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether decode steps run speculatively (the `speculate` setting, resolved)."""
+        return self.skip_miss_below is None if self.speculate is None else self.speculate
 
     @property
     def exact(self) -> bool:

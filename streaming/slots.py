@@ -76,6 +76,8 @@ def expert_bytes(tensors: list[ExpertTensor]) -> int:
 def resolve_slot_write(mode: str) -> str:
     """'auto' -> 'cuda' on CUDA ('staged' when the CUDA driver library cannot be used),
     'direct' elsewhere (see the module docstring)."""
+    if mode == "cuda" and cuda_copy.copier() is None:
+        raise SettingsError(f"slot_write 'cuda' needs the CUDA driver: {cuda_copy.why_unavailable()}")
     if mode != "auto":
         return mode
     cuda = getattr(mx, "cuda", None)

@@ -126,6 +126,7 @@ def test_non_moe_checkpoint_is_refused(checkpoints):
         ({"budget_gib": 1, "reader": "fast"}, "reader must be one of"),
         ({"budget_gib": 1, "prefetch": "yes"}, "prefetch must be bool"),
         ({"budget_gib": 1, "speculate_check_every": -1}, "speculate_check_every must be >= 0"),
+        ({"budget_gib": 1, "speculate": True, "skip_miss_below": 0.1}, "speculate: true cannot go with skip_miss_below"),
         ({"budget_gib": 1, "warm_start": "/nonexistent/trace.npz"}, "warm_start.*does not exist"),
     ],
 )

@@ -156,6 +156,11 @@ def test_detect_moe_plugin_overrides_builtin(checkpoints_plugin):
 
     pm.register(NothingIsMoE())
     assert pm.hook.detect_moe(index=CheckpointIndex(checkpoints_plugin["moe"])) is False
+    import expert_stream
+    from expert_stream.streaming.errors import NotMoEError
+
+    with pytest.raises(NotMoEError, match="no detect_moe plugin found experts"):  # the Python API asks it too
+        expert_stream.load(checkpoints_plugin["moe"], budget_gib=1)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Is a checkpoint an MoE one? Decided from config.json and the shard headers, no data read:
 the config names an expert count and some tensor is stacked over that many experts."""
 
+import re
+
 from expert_stream.plugin.hookspecs import hookimpl
 
 # Config keys that hold the number of routed experts, across mlx-lm models.
@@ -17,10 +19,15 @@ def expert_count(config: dict) -> int | None:
     return None
 
 
+# One tensor per expert (a Hugging Face layout, not converted): still an MoE checkpoint, which
+# the loader then refuses with the way to convert it.
+UNSTACKED = re.compile(r"\.experts\.\d+\.")
+
+
 @hookimpl(trylast=True)
 def detect_moe(index):
     count = expert_count(index.config)
     if count is None:
         return False
-    return any(info.shape and info.shape[0] == count and ("expert" in name or "switch_mlp" in name)
-               for name, info in index.tensors.items())
+    return any((info.shape and info.shape[0] == count and ("expert" in name or "switch_mlp" in name))
+               or UNSTACKED.search(name) for name, info in index.tensors.items())
