@@ -5,17 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, **settings):
+def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pipeline_group=None, **settings):
     """Load an MoE checkpoint with its routed experts streamed from disk.
 
     Returns (model, tokenizer, handle); see `expert_stream.streaming.loader.load`. The
     architectures come from the `register_architectures` hook (built-ins and installed
     plugins); `detect_moe` plugins decide whether it is an MoE checkpoint, and
     `validate_settings` plugins may refuse the settings, before anything loads.
+    `pipeline_group` (an mlx.distributed group): this process is one rank of mlx-lm's pipeline
+    and streams only its own layers.
     """
     from expert_stream.plugin import plugins
     from expert_stream.streaming import loader
-    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.checkpoint import CheckpointIndex, NeededTensors
     from expert_stream.streaming.errors import NotMoEError
     from expert_stream.streaming.settings import StreamSettings
 
@@ -24,7 +26,9 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, **s
     if budget_gib is not None:
         settings["budget_gib"] = budget_gib
     stream_settings = StreamSettings.from_mapping(settings, where=where)
-    index = CheckpointIndex(Path(path).expanduser())
+    # A pipeline rank may hold only its own layers' shards: index what is here to detect MoE.
+    here = None if pipeline_group is None else NeededTensors(frozenset(), f"rank {pipeline_group.rank()}")
+    index = CheckpointIndex(Path(path).expanduser(), needed=here)
     if not pm.hook.detect_moe(index=index):
         raise NotMoEError(
             f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers (no "
@@ -33,7 +37,8 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, **s
     pm.hook.validate_settings(settings=stream_settings, model_path=str(path), where=where)
     model, tokenizer, handle = loader.load_streamed(
         path, stream_settings, architectures=plugins.architectures(pm),
-        tokenizer_config=tokenizer_config, model_config=model_config, index=index,
+        tokenizer_config=tokenizer_config, model_config=model_config,
+        index=index if pipeline_group is None else None, pipeline_group=pipeline_group,
     )
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle

@@ -46,6 +46,30 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class NeededTensors:
+    """The tensors one process of a pipeline loads (`who` names it in errors, e.g. "rank 1")."""
+
+    names: frozenset
+    who: str
+
+    def check_shards(self, index: Path, weight_map: dict, missing: list[str]) -> None:
+        """Shards missing here are fine unless they hold a needed tensor."""
+        unlisted = sorted(n for n in self.names if n not in weight_map)
+        if unlisted:
+            raise CheckpointError(
+                f"{index}: {self.who} needs tensor {unlisted[0]}, which its weight_map does not list; "
+                "pipeline loading needs an MLX-converted checkpoint"
+            )
+        for shard in missing:
+            wanted = sorted(n for n in self.names if weight_map[n] == shard)
+            if wanted:
+                raise CheckpointError(
+                    f"{index.parent / shard}: missing, but {self.who} needs it for {len(wanted)} tensor(s) "
+                    f"of its layers ({wanted[0]}, ...); copy that shard to this machine"
+                )
+
+
+@dataclass(frozen=True)
 class ShardIdentity:
     """What a shard was when its header was indexed. Expert bytes are read later, at their
     offsets in that header: a file changed since (rewritten in place, copied over, replaced by
@@ -105,8 +129,11 @@ class ShardIdentity:
 class CheckpointIndex:
     """All tensors of an MLX checkpoint folder, from shard headers, validated against file sizes."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, needed: "NeededTensors | None" = None):
+        """`needed`: only these tensors must be present (a pipeline rank's layers); shards of
+        the index that hold none of them may be missing from this machine."""
         self.model_dir = Path(model_dir).expanduser()
+        self.needed = needed
         config_path = self.model_dir / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: not found; a model folder needs config.json")
@@ -135,6 +162,9 @@ class CheckpointIndex:
             index = self.model_dir / INDEX_NAME
             names = sorted(set(self.weight_map.values()))
             missing = [n for n in names if not (self.model_dir / n).is_file()]
+            if missing and self.needed is not None:
+                self.needed.check_shards(index, self.weight_map, missing)
+                missing = []
             if missing:
                 raise CheckpointError(
                     f"{self.model_dir}: shard(s) {', '.join(missing)} listed in "

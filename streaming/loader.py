@@ -15,8 +15,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
 from .budget import LayerPlan, plan_layers
 from .cache import ExpertCache, LayerStats
-from .checkpoint import CheckpointIndex
-from .errors import CheckpointError, NotMoEError
+from .checkpoint import CheckpointIndex, NeededTensors
+from .errors import CheckpointError, NotMoEError, SettingsError
 from .handle import StreamHandle
 from .reader import ExpertReader
 from .settings import GIB, StreamSettings
@@ -67,20 +67,56 @@ def load_streamed(
     tokenizer_config: dict | None = None,
     model_config: dict | None = None,
     index: CheckpointIndex | None = None,
+    pipeline_group=None,
 ):
-    """`load` with its settings parsed (and its checkpoint indexed, when `index` is given)."""
+    """`load` with its settings parsed (and its checkpoint indexed, when `index` is given).
+    With `pipeline_group` (mlx.distributed), this process keeps and streams only the layers
+    mlx-lm's pipeline gives its rank, from the shards that hold them."""
     from mlx_lm.utils import load_model, load_tokenizer
 
     model_path = Path(path).expanduser()
-    if index is None:
-        index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
-    check_quantization(index)
-    model, config = load_model(model_path, lazy=True, model_config=model_config)
+    if pipeline_group is not None:
+        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config)
+        index, settings = pipeline(model, model_path, settings, pipeline_group)
+    else:
+        if index is None:
+            index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
+        check_quantization(index)
+        model, config = load_model(model_path, lazy=True, model_config=model_config)
     handle = attach(model, index, settings, architectures)
     mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
     handle.reader.verify()  # the trunk just read came from the shards the experts will come from
+    if pipeline_group is not None:  # every rank loaded before the first forward, as sharded_load does
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=pipeline_group))
     tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, handle
+
+
+def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group):
+    """Give this rank its layers (mlx-lm's own `pipeline`), then index only the shards they need.
+    Returns (index, this rank's settings)."""
+    import dataclasses
+
+    rank = group.rank()
+    if not (hasattr(model, "model") and hasattr(model.model, "pipeline")):
+        raise NotMoEError(
+            f"{model_path}: mlx-lm has no pipeline mode for model_type "
+            f"{type(model).__module__.rsplit('.', 1)[-1]!r}; load it on one machine"
+        )
+    model.model.pipeline(group)
+    needed = NeededTensors(frozenset(k for k, _ in tree_flatten(model.parameters())), f"rank {rank}")
+    index = CheckpointIndex(model_path, needed=needed)
+    check_quantization(index)
+    by_rank = settings.budget_gib_by_rank
+    if by_rank is not None:
+        if len(by_rank) != group.size():
+            raise SettingsError(
+                f"budget_gib_by_rank has {len(by_rank)} entries for a pipeline of {group.size()} ranks"
+            )
+        settings = dataclasses.replace(settings, budget_gib=float(by_rank[rank]))
+    # A speculative step reruns a forward on one rank only: the ranks' sends and receives would
+    # no longer pair up. Each rank decodes layer by layer.
+    return index, dataclasses.replace(settings, speculate=False)
 
 
 def attach(

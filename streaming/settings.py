@@ -20,6 +20,8 @@ class StreamSettings:
     """
 
     budget_gib: float
+    # Pipeline mode (several machines): this rank's budget_gib instead, one entry per rank.
+    budget_gib_by_rank: Optional[tuple] = None
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
     policy: str = "default"
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
@@ -65,6 +67,13 @@ class StreamSettings:
         _check_types(self)
         if not self.budget_gib > 0:
             raise SettingsError(f"budget_gib must be > 0 GiB, got {self.budget_gib!r}")
+        if self.budget_gib_by_rank is not None:
+            by_rank = self.budget_gib_by_rank
+            if not isinstance(by_rank, (list, tuple)) or not by_rank or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 for b in by_rank
+            ):
+                raise SettingsError(f"budget_gib_by_rank must be a list of budgets > 0 GiB, one per rank; got {by_rank!r}")
+            object.__setattr__(self, "budget_gib_by_rank", tuple(float(b) for b in by_rank))
         if self.prefetch_per_layer < 0:
             raise SettingsError("prefetch_per_layer must be >= 0")
         if self.prefill_step < 1:
