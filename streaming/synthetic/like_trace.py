@@ -85,5 +85,7 @@ def layers_for_moe_layers(arch: str, moe_layers: int, **kwargs) -> int:
             while n > low and moe(n - 1) == moe_layers:  # the smallest such count
                 n -= 1
             return n
+        if got > moe_layers and n == low:
+            raise SyntheticError(f"{arch}: its smallest model ({low} layers) has {got} MoE layers, more than {moe_layers}")
         n = n + max(1, (moe_layers - got) * n // max(got, 1)) if got < moe_layers else n - 1
     raise SyntheticError(f"{arch}: no layer count gives exactly {moe_layers} MoE layers")
