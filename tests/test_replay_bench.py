@@ -45,6 +45,7 @@ def test_bench_replay_report(model, tmp_path, capsys):
     assert r["disk_bound_tok_s"] == pytest.approx(r["read_gbps_run"] * 1e9 / r["bytes_per_token"])
     assert r["ratio_to_disk_bound"] == pytest.approx(r["decode_tok_s"] / r["disk_bound_tok_s"])
     assert r["bound_tok_s"] == pytest.approx(1 / max(r["t_compute_s"], r["t_disk_s"]))
+    assert r["bound_run_tok_s"] == pytest.approx(min(1 / r["t_compute_s"], r["disk_bound_tok_s"]))
     if sys.platform.startswith("linux"):
         assert r["page_cache"]["method"].startswith("posix_fadvise") and r["page_cache"]["resident_share_after"] == 0.0
     assert "cannot know" in r["lookahead"]["note"]
