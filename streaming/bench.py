@@ -231,7 +231,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
 
     def start():
         page_cache.update(drop_checkpoint(_shards(cfg.model_dir)))
-        handle.reset_stats()
+        _reset_counters(handle)
 
     def first():
         at_first_token.update(handle.stats())
@@ -352,6 +352,18 @@ def finish(report: dict) -> dict:
         for key in ("disk_bound_tok_s", "ratio_to_disk_bound", "bound_run_tok_s", "ratio_to_bound_run"):
             report[key] = None
     return report
+
+
+def _reset_counters(handle) -> None:
+    """Zero the counters before the timed run, keeping speculation's step-time averages: they
+    are its state, not counters. Wiped, speculation cannot judge itself again before its next
+    exploring step (one in 64), so a timed run of fewer steps keeps whatever the warm-up left
+    (paused, or speculating however much it loses)."""
+    spec = handle.speculation
+    times = (spec.stats.t_speculative, spec.stats.t_layer_by_layer) if spec is not None else None
+    handle.reset_stats()
+    if spec is not None:
+        spec.stats.t_speculative, spec.stats.t_layer_by_layer = times
 
 
 def _agreement(a: list[int], b: list[int]) -> float:

@@ -68,3 +68,21 @@ def test_bench_refuses_a_trace_of_another_top_k(model, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "top-2" in err and "4 experts" in err and "synth --like-trace" in err
+
+
+def test_capped_child_entry_round_trips_the_report(model, tmp_path):
+    """The process that --memory-cap starts inside the cgroup (here without one, which this
+    machine cannot make): it takes the config as JSON and prints the streamed side's report."""
+    import subprocess
+
+    from expert_stream.streaming.bench import BenchConfig, finish
+    from expert_stream.streaming.capped_bench import _config_json
+
+    cfg = BenchConfig(model_dir=model, budget_gib=checkpoint_footprint(model).budget_gib_for_slots(5),
+                      prompt_tokens=8, gen_tokens=4, disk_bytes=5_000_000, stock="no",
+                      routing=_trace(tmp_path), known_t_compute=(0.01, "earlier run"))
+    out = subprocess.run([sys.executable, "-m", "expert_stream.streaming.capped_bench", _config_json(cfg)],
+                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    r = finish(json.loads(out))
+    assert r["t_compute_source"] == "earlier run" and r["routing"]["trace_start"] == 150 - 8
+    assert r["bound_tok_s"] > 0 and "_tokens" not in r
