@@ -5,6 +5,12 @@ bound = 1 / max(t_compute, miss_bytes_per_token / disk_bandwidth): a token canno
 than its compute with every expert resident, nor than the disk can deliver its misses.
 t_compute comes from stock mlx-lm when the model fits, otherwise from the streamed model with
 forced hits (every expert treated as resident: same kernels, no reads).
+
+With a routing trace (`routing`), every MoE layer of both models routes as the trace's trained
+model did (streaming/replay.py), and the report adds what LRU and Belady would have missed on
+the same rows (streaming/replay_sim.py). Before every timed run the checkpoint's pages are
+dropped from the page cache (streaming/page_cache.py); a memory cap runs the streamed side in a
+cgroup (streaming/capped_bench.py).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 
 from .disk_bandwidth import measure_read_bandwidth
 from .footprint import checkpoint_footprint
+from .page_cache import drop_checkpoint
 from .settings import GIB
 
 # Stock runs only when the checkpoint, its KV cache and MLX temporaries fit with this headroom.
@@ -42,6 +49,8 @@ class BenchConfig:
     seed: int = 0
     # (seconds, source) of t_compute measured by an earlier run on the same model (a sweep).
     known_t_compute: tuple[float, str] | None = None
+    routing: Path | None = None  # a routing trace (.npz) to replay through every MoE layer
+    trace_start: int | None = None  # its row of the first prompt token (None: see replay_start)
 
 
 def peak_rss_bytes() -> int:
@@ -53,19 +62,26 @@ def _prompt(vocab: int, n: int, seed: int) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(3, vocab - 1, n), dtype=mx.int32)
 
 
-def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int, on_start=None, on_first=None) -> dict:
+def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int, on_start=None, on_first=None,
+                     replay=None, start_row: int = 0) -> dict:
     """Greedy generation through mlx_lm.generate_step (the loop servers run). Prefill time ends
-    when the first token is out; decode rate is over the remaining tokens."""
+    when the first token is out; decode rate is over the remaining tokens. With `replay` the
+    timed generation's first token takes trace row `start_row` and the warm-up the rows just
+    before it (a previous request); forwards after the first token are the counted ones."""
     from mlx_lm.generate import generate_step
 
     # Warm-up: the first calls compile kernels (CUDA, Metal), which neither side should time. On
     # CUDA a fresh process compiled the prefill's kernels for over a minute, so the warm-up runs
     # a prompt of the same length (another one: the expert cache ends up as a previous request
     # leaves it) and a few decode steps.
+    if replay is not None:
+        replay.begin(start_row - warmup_rows(prompt.size))
     for _ in generate_step(prompt[::-1], model, max_tokens=WARMUP_DECODE_STEPS, prefill_step_size=prefill_step):
         pass
     if on_start is not None:
         on_start()
+    if replay is not None:
+        replay.begin(start_row)
     tokens = []
     t0 = time.perf_counter()
     t_first = None
@@ -73,9 +89,13 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
         tokens.append(int(token))
         if t_first is None:
             t_first = time.perf_counter()
+            if replay is not None:
+                replay.counting = True
             if on_first is not None:
                 on_first()
     t_end = time.perf_counter()
+    if replay is not None:
+        replay.counting = False
     decode_s = max(t_end - t_first, 1e-9)
     return {
         "tokens": tokens,
@@ -86,6 +106,21 @@ def timed_generation(model, prompt: mx.array, gen_tokens: int, prefill_step: int
     }
 
 
+def warmup_rows(prompt_tokens: int) -> int:
+    """Trace rows the warm-up generation takes: its prompt and its decode steps."""
+    return prompt_tokens + WARMUP_DECODE_STEPS
+
+
+def replay_start(trace, prompt_tokens: int) -> int:
+    """Default trace row of the first prompt token: the timed decode then starts at the trace's
+    first decode row after a prompt's length of rows (rows of a prefill pass of a batching
+    engine have another locality than decode rows); row 0 where the trace has no phase."""
+    if trace.phase is None:
+        return 0
+    decode = np.flatnonzero(trace.phase[prompt_tokens:] == 1)
+    return int(decode[0]) if decode.size else 0
+
+
 def _vocab(model) -> int:
     """The vocabulary size; mlx-vlm-layout models keep it on their language model's args."""
     args = getattr(model, "args", None)
@@ -94,12 +129,75 @@ def _vocab(model) -> int:
     return int(args.vocab_size)
 
 
+class _Routing:
+    """The replayed trace of a run, installed alike on every model the run loads."""
+
+    def __init__(self, cfg: BenchConfig, fp):
+        from .replay import check_fit
+        from .traces import load_trace
+
+        self.path = Path(cfg.routing)
+        self.trace = load_trace(self.path)
+        self.fp = fp
+        for n in set(fp.num_experts):
+            check_fit(self.trace, str(cfg.model_dir), fp.model_type, n, fp.top_k)
+        start = cfg.trace_start if cfg.trace_start is not None else replay_start(self.trace, cfg.prompt_tokens)
+        self.start = int(start) % self.trace.num_tokens
+
+    def install(self, model):
+        from .replay import install
+
+        return install(model, self.trace, self.fp.model_type, self.fp.num_experts[0], self.fp.top_k,
+                       where=str(self.fp.model_dir))
+
+    def report(self, replay, handle) -> dict:
+        from .replay_sim import phase_share, simulated_misses
+
+        layer_of = {path: i for i, path in enumerate(replay.paths)}
+        layers = [(layer_of[s.name], s.cache.num_slots) for s in handle.streams]
+        policies = ["lru", "belady"]
+        if handle.settings.policy not in policies:
+            policies.append(handle.settings.policy)
+        return {
+            "trace": str(self.path),
+            "trace_name": self.trace.name,
+            "trace_start": self.start,
+            "trace_rows": self.trace.num_tokens,
+            "trace_layers": self.trace.num_layers,
+            "model_moe_layers": len(replay.columns),
+            "num_experts": int(self.trace.num_experts),
+            "top_k": self.trace.top_k,
+            "decode_rows_from_trace_decode": phase_share(replay),
+            "sim_misses_per_token": simulated_misses(replay, layers, policies),
+        }
+
+
+def _shards(model_dir) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
+    """The whole benchmark in this process: the streamed side, then stock when it runs."""
+    report, run_stock = run_streamed(cfg, log)
+    if run_stock:
+        run_stock_side(cfg, report, log)
+    return finish(report)
+
+
+def stock_wanted(cfg: BenchConfig, fp) -> bool:
     import psutil
 
+    stock_fits = fp.total_bytes + STOCK_HEADROOM_BYTES < psutil.virtual_memory().available
+    return cfg.stock == "yes" or (cfg.stock == "auto" and stock_fits)
+
+
+def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[dict, bool]:
+    """The streamed side: (report, whether stock should run). t_compute comes from forced hits
+    here unless stock will run (or a sweep measured it already)."""
     import expert_stream.streaming.loader as loader
 
     fp = checkpoint_footprint(cfg.model_dir)
+    routing = _Routing(cfg, fp) if cfg.routing is not None else None
     report = {
         "model_dir": str(cfg.model_dir),
         "model_type": fp.model_type,
@@ -111,6 +209,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
         "gen_tokens": cfg.gen_tokens,
         "device": str(mx.default_device()),
         "settings": dict(cfg.settings),
+        "workload": "replayed routing trace" if routing else "own routing (random weights, greedy)",
     }
 
     log(f"disk: reading {cfg.disk_bytes / 1e9:.1f} GB of this checkpoint's shards with the engine's reader")
@@ -122,40 +221,60 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
     )
     report["disk_gbps"] = disk["gbps"]
 
-    log(f"streamed: budget {cfg.budget_gib} GiB, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens")
+    log(f"streamed: budget {cfg.budget_gib} GiB, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens"
+        + (f", replaying {routing.path.name} from row {routing.start}" if routing else ""))
     model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
+    replay = routing.install(model) if routing else None
     prompt = _prompt(_vocab(model), cfg.prompt_tokens, cfg.seed)
     at_first_token = {}
+    page_cache = {}
+
+    def start():
+        page_cache.update(drop_checkpoint(_shards(cfg.model_dir)))
+        _reset_counters(handle)
+
+    def first():
+        at_first_token.update(handle.stats())
+        at_first_token["reader"] = (handle.reader.total_bytes, handle.reader.total_seconds)
+
     run = timed_generation(
         model, prompt, cfg.gen_tokens, handle.settings.prefill_step,
-        on_start=handle.reset_stats, on_first=lambda: at_first_token.update(handle.stats()),
+        on_start=start, on_first=first, replay=replay, start_row=routing.start if routing else 0,
     )
     prefill_stats = at_first_token["totals"]
     totals = handle.stats()["totals"]
     decode = {k: totals[k] - prefill_stats.get(k, 0) for k in ("hits", "misses", "bytes_read", "read_seconds")}
+    read_bytes = handle.reader.total_bytes - at_first_token["reader"][0]
+    read_seconds = handle.reader.total_seconds - at_first_token["reader"][1]
     decode_tokens = max(len(run["tokens"]) - 1, 1)
     uses = decode["hits"] + decode["misses"]
     report.update(
         decode_tok_s=run["decode_tok_s"],
         prefill_tok_s=run["prefill_tok_s"],
         miss_rate=decode["misses"] / uses if uses else 0.0,
+        misses_per_token=decode["misses"] / decode_tokens,
         bytes_per_token=decode["bytes_read"] / decode_tokens,
         bytes_per_prompt_token=prefill_stats.get("bytes_read", 0) / cfg.prompt_tokens,
         read_wait_per_token_s=decode["read_seconds"] / decode_tokens,
+        # The engine's reader during the timed decode: its bytes over its batches' wall time.
+        read_gbps_run=read_bytes / read_seconds / 1e9 if read_seconds > 0 else None,
         slots_per_layer=[s.cache.num_slots for s in handle.streams],
         decode_misses_per_layer=_decode_misses_per_layer(handle, at_first_token),
         slot_gb=handle.budget_bytes / 1e9,
         reader=handle.reader.backend,
         cache_bypass=handle.reader.cache_bypass,
+        page_cache=page_cache,
         prefill_reads_per_missed_expert=_prefill_reads_per_miss(handle, at_first_token),
-        lookahead=_lookahead_report(handle),
+        lookahead=_lookahead_report(handle, replayed=routing is not None),
         speculation=handle.stats()["speculation"],
         peak_rss_gb=peak_rss_bytes() / 1e9,
     )
+    if routing:
+        report["routing"] = routing.report(replay, handle)
     streamed_tokens = run["tokens"]
+    report["_tokens"] = streamed_tokens  # for token agreement with stock; dropped by finish()
 
-    stock_fits = fp.total_bytes + STOCK_HEADROOM_BYTES < psutil.virtual_memory().available
-    run_stock = cfg.stock == "yes" or (cfg.stock == "auto" and stock_fits)
+    run_stock = stock_wanted(cfg, fp)
     if cfg.known_t_compute is not None and not run_stock:
         report["t_compute_s"], report["t_compute_source"] = cfg.known_t_compute
     elif not run_stock:
@@ -163,46 +282,88 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(m, 
         log(f"t_compute: same layers with forced hits (stock mlx-lm {why})")
         for s in handle.streams:
             s.forced_hits = True
-        forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32), handle.settings.prefill_step)
+        forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32), handle.settings.prefill_step,
+                                  on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
+                                  replay=replay, start_row=routing.start if routing else 0)
         report["t_compute_s"] = 1 / forced["decode_tok_s"]
         report["t_compute_source"] = "forced_hits"
     exact = handle.settings.exact
     handle.close()
-    del model, handle
+    del model, handle, replay
     gc.collect()
     mx.clear_cache()
     if not exact and not run_stock:
         log("lossy knobs on: the same run with exact settings, for token agreement")
         exact_settings = {k: v for k, v in cfg.settings.items() if k not in ("top_k_override", "skip_miss_below")}
         model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **exact_settings)
-        exact_run = timed_generation(model, prompt, cfg.gen_tokens, handle.settings.prefill_step)
+        replay = routing.install(model) if routing else None
+        exact_run = timed_generation(model, prompt, cfg.gen_tokens, handle.settings.prefill_step,
+                                     on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
+                                     replay=replay, start_row=routing.start if routing else 0)
         report["token_agreement_with_exact"] = _agreement(streamed_tokens, exact_run["tokens"])
         report["exact_decode_tok_s"] = exact_run["decode_tok_s"]
         handle.close()
-        del model, handle
+        del model, handle, replay
         gc.collect()
+    return report, run_stock
 
-    if run_stock:
-        from mlx_lm.utils import load_model
 
-        log("stock mlx-lm: same prompt, every expert resident")
-        stock, _ = load_model(Path(cfg.model_dir))
-        stock_run = timed_generation(stock, prompt, cfg.gen_tokens, int(cfg.settings.get("prefill_step", 2048)))
-        report["stock_tok_s"] = stock_run["decode_tok_s"]
-        report["stock_prefill_tok_s"] = stock_run["prefill_tok_s"]
-        report["ratio_to_stock"] = report["decode_tok_s"] / stock_run["decode_tok_s"]
-        report["t_compute_s"] = 1 / stock_run["decode_tok_s"]
-        report["t_compute_source"] = "stock"
-        report["token_agreement_with_stock"] = _agreement(streamed_tokens, stock_run["tokens"])
-        del stock
-        gc.collect()
-        mx.clear_cache()
+def run_stock_side(cfg: BenchConfig, report: dict, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> None:
+    """Stock mlx-lm on the same prompt (and the same replayed rows): its speed, and t_compute."""
+    from mlx_lm.utils import load_model
 
+    log("stock mlx-lm: same prompt, every expert resident")
+    fp = checkpoint_footprint(cfg.model_dir)
+    routing = _Routing(cfg, fp) if cfg.routing is not None else None
+    stock, _ = load_model(Path(cfg.model_dir))
+    replay = routing.install(stock) if routing else None
+    prompt = _prompt(_vocab(stock), cfg.prompt_tokens, cfg.seed)
+    stock_run = timed_generation(stock, prompt, cfg.gen_tokens, int(cfg.settings.get("prefill_step", 2048)),
+                                 on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
+                                 replay=replay, start_row=routing.start if routing else 0)
+    report["stock_tok_s"] = stock_run["decode_tok_s"]
+    report["stock_prefill_tok_s"] = stock_run["prefill_tok_s"]
+    report["ratio_to_stock"] = report["decode_tok_s"] / stock_run["decode_tok_s"]
+    report["t_compute_s"] = 1 / stock_run["decode_tok_s"]
+    report["t_compute_source"] = "stock"
+    report["token_agreement_with_stock"] = _agreement(report["_tokens"], stock_run["tokens"])
+    del stock, replay
+    gc.collect()
+    mx.clear_cache()
+
+
+def finish(report: dict) -> dict:
+    """The bounds, from the figures the runs measured."""
+    report.pop("_tokens", None)
     t_disk = report["bytes_per_token"] / (report["disk_gbps"] * 1e9)
     report["t_disk_s"] = t_disk
     report["bound_tok_s"] = 1 / max(report["t_compute_s"], t_disk)
     report["ratio_to_bound"] = report["decode_tok_s"] / report["bound_tok_s"]
+    # The same bounds at the rate the engine's reader achieved in this run (the disk measured
+    # before the run moves a lot on shared machines): the disk alone, and with the compute.
+    rate = report.get("read_gbps_run")
+    if rate and report["bytes_per_token"] > 0:
+        t_disk_run = report["bytes_per_token"] / (rate * 1e9)
+        report["disk_bound_tok_s"] = 1 / t_disk_run
+        report["ratio_to_disk_bound"] = report["decode_tok_s"] / report["disk_bound_tok_s"]
+        report["bound_run_tok_s"] = 1 / max(report["t_compute_s"], t_disk_run)
+        report["ratio_to_bound_run"] = report["decode_tok_s"] / report["bound_run_tok_s"]
+    else:
+        for key in ("disk_bound_tok_s", "ratio_to_disk_bound", "bound_run_tok_s", "ratio_to_bound_run"):
+            report[key] = None
     return report
+
+
+def _reset_counters(handle) -> None:
+    """Zero the counters before the timed run, keeping speculation's step-time averages: they
+    are its state, not counters. Wiped, speculation cannot judge itself again before its next
+    exploring step (one in 64), so a timed run of fewer steps keeps whatever the warm-up left
+    (paused, or speculating however much it loses)."""
+    spec = handle.speculation
+    times = (spec.stats.t_speculative, spec.stats.t_layer_by_layer) if spec is not None else None
+    handle.reset_stats()
+    if spec is not None:
+        spec.stats.t_speculative, spec.stats.t_layer_by_layer = times
 
 
 def _agreement(a: list[int], b: list[int]) -> float:
@@ -229,7 +390,7 @@ def _prefill_reads_per_miss(handle, stats_at_first_token: dict) -> float:
     return stats_at_first_token["totals"]["bytes_read"] / missed if missed else 0.0
 
 
-def _lookahead_report(handle) -> dict:
+def _lookahead_report(handle, replayed: bool = False) -> dict:
     per_layer = {}
     for s in handle.streams:
         st = s.cache.stats
@@ -245,4 +406,6 @@ def _lookahead_report(handle) -> dict:
         "prefetch_used": used,
         "layers_off": sum(1 for s in handle.streams if s.lookahead is not None and not s.lookahead.active),
         "guess_hit_rate_per_layer": per_layer,
+        # The probe applies the model's own router: under replay it cannot know the route.
+        "note": "router-based guesses; under replay the router cannot know the replayed route" if replayed else "",
     }

@@ -23,6 +23,14 @@ def register(sub) -> None:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a streaming setting (repeatable), e.g. --set prefetch=false --set policy=lru")
     b.add_argument("--disk-gb", type=float, default=1.0, help="GB read to measure the disk's bandwidth")
+    b.add_argument("--routing", default=None, metavar="TRACE.npz",
+                   help="replay this routing trace of a trained model through every MoE layer (stock and streamed)")
+    b.add_argument("--trace-start", type=int, default=None, metavar="N",
+                   help="trace row of the first prompt token (default: the timed decode starts at the trace's "
+                   "first decode row)")
+    b.add_argument("--memory-cap", type=float, default=None, metavar="GIB",
+                   help="run the streamed side in a cgroup v2 memory.max of GIB, page cache included "
+                   "(Linux, root); refused where the OS cannot")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--plot", default=None, metavar="OUT.png", help="plot tok/s and miss rate against budget")
     b.set_defaults(func=run_bench_command)
@@ -66,6 +74,14 @@ def run_bench_command(args) -> int:
     from expert_stream.streaming.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
+    if args.memory_cap is not None:
+        from expert_stream.streaming.capped_bench import run_bench_capped
+        from expert_stream.streaming.memory_cap import MemoryCapError, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise MemoryCapError(f"--memory-cap {args.memory_cap}: {reason}")
+        run_bench = lambda cfg: run_bench_capped(cfg, args.memory_cap)  # noqa: E731
     budgets = [float(b) for b in args.sweep.split(",")] if args.sweep else [args.budget_gib]
     if args.plot:
         pyplot()  # fail before the runs, not after
@@ -76,10 +92,12 @@ def run_bench_command(args) -> int:
             model_dir=Path(args.model_dir), budget_gib=budget, prompt_tokens=args.prompt_tokens,
             gen_tokens=args.gen_tokens, settings=settings, stock=stock,
             disk_bytes=int(args.disk_gb * 1e9), known_t_compute=known,
+            routing=Path(args.routing) if args.routing else None, trace_start=args.trace_start,
         )
         reports.append(run_bench(cfg))
         # The compute floor and stock do not depend on the budget: measure them once.
-        known, stock = (reports[0]["t_compute_s"], reports[0]["t_compute_source"]), "no"
+        if "t_compute_s" in reports[-1]:
+            known, stock = (reports[-1]["t_compute_s"], reports[-1]["t_compute_source"]), "no"
     if args.plot:
         plot_sweep(reports, args.plot)
     if args.json:
@@ -92,13 +110,18 @@ def run_bench_command(args) -> int:
 
 
 def print_report(r: dict) -> None:
+    if r.get("result") == "killed":
+        print(f"budget {r['budget_gib']} GiB: {r['killed_under_cap']} (rc {r['returncode']}, "
+              f"oom_kill events {r['memory_cap']['oom_kills']})\n")
+        return
     rows = [
         ("checkpoint", f"{r['checkpoint_gb']:.2f} GB ({r['expert_gb']:.2f} GB experts, {r['trunk_gb']:.2f} GB trunk), {r['model_type']}"),
         ("budget", f"{r['budget_gib']} GiB -> {r['slot_gb']:.2f} GB of slots, {min(r['slots_per_layer'])}-{max(r['slots_per_layer'])} per layer"),
         ("device", f"{r['device']}; reader {r['reader']}, page cache {r['cache_bypass']}"),
         ("decode", f"{r['decode_tok_s']:.2f} tok/s"),
         ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens)"),
-        ("miss rate", f"{r['miss_rate']:.1%}"),
+        ("workload", _workload(r)),
+        ("miss rate", f"{r['miss_rate']:.1%}, {r['misses_per_token']:.1f} misses per decode token"),
         ("bytes/token", f"{r['bytes_per_token'] / 1e6:.1f} MB decode, {r['bytes_per_prompt_token'] / 1e6:.2f} MB per prompt token"),
         ("prefill reads", f"{r['prefill_reads_per_missed_expert']:.3f} x the missed experts' bytes"),
         ("disk", f"{r['disk_gbps']:.2f} GB/s (engine reader on these shards)"),
@@ -106,6 +129,23 @@ def print_report(r: dict) -> None:
         ("t_disk", f"{r['t_disk_s'] * 1e3:.1f} ms/token"),
         ("bound", f"{r['bound_tok_s']:.2f} tok/s -> ratio to bound {r['ratio_to_bound']:.2f}"),
     ]
+    if r.get("disk_bound_tok_s") is not None:
+        rows.append(("disk bound", f"{r['disk_bound_tok_s']:.2f} tok/s at the reader's {r['read_gbps_run']:.2f} GB/s "
+                                   f"during decode -> ratio {r['ratio_to_disk_bound']:.2f}; with t_compute "
+                                   f"{r['bound_run_tok_s']:.2f} tok/s -> ratio {r['ratio_to_bound_run']:.2f}"))
+    sim = r.get("routing", {}).get("sim_misses_per_token")
+    if sim:
+        rows.append(("simulated", ", ".join(f"{k} {v:.1f}" for k, v in sim.items() if v is not None)
+                     + " misses per decode token (same rows, same slots)"))
+    pc = r.get("page_cache") or {}
+    if pc:
+        share = pc.get("resident_share_after")
+        rows.append(("page cache", f"dropped before each timed run ({pc['method']}; "
+                                   + (f"{share:.1%} still cached after" if share is not None else "residency unknown") + ")"))
+    cap = r.get("memory_cap")
+    rows.append(("memory cap", f"{cap['gib']} GiB ({cap['mechanism']}), streamed side only; "
+                               + (f"group peak {cap['peak_gb']:.2f} GB" if cap.get("peak_gb") else "peak not reported")
+                 if cap else "none"))
     if "stock_tok_s" in r:
         rows.append(("stock", f"{r['stock_tok_s']:.2f} tok/s -> ratio to stock {r['ratio_to_stock']:.2f}, "
                               f"token agreement {r['token_agreement_with_stock']:.2f}"))
@@ -115,12 +155,23 @@ def print_report(r: dict) -> None:
     look = r["lookahead"]
     if look["guess_hit_rate"] is not None:
         rows.append(("lookahead", f"guesses right {look['guess_hit_rate']:.1%}, {look['prefetch_used']}/{look['prefetch_reads']} "
-                                  f"speculative reads used, {look['layers_off']} layers switched off"))
+                                  f"speculative reads used, {look['layers_off']} layers switched off"
+                                  + (f" ({look['note']})" if look.get("note") else "")))
     rows.append(("peak RSS", f"{r['peak_rss_gb']:.2f} GB"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     print()
+
+
+def _workload(r: dict) -> str:
+    routing = r.get("routing")
+    if not routing:
+        return r.get("workload", "own routing")
+    share = routing["decode_rows_from_trace_decode"]
+    return (f"real routing replayed: {routing['trace_name']} from row {routing['trace_start']} "
+            f"({routing['trace_layers']} trace layers over {routing['model_moe_layers']} MoE layers"
+            + (f"; {share:.0%} of the timed decode rows are decode rows of the trace" if share is not None else "") + ")")
 
 
 def pyplot():
@@ -136,6 +187,7 @@ def pyplot():
 
 def plot_sweep(reports: list[dict], out: str) -> None:
     plt = pyplot()
+    reports = [r for r in reports if r.get("result") != "killed"]
     budgets = [r["budget_gib"] for r in reports]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(budgets, [r["decode_tok_s"] for r in reports], "o-", label="decode tok/s")

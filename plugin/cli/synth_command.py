@@ -27,7 +27,13 @@ def register(sub) -> None:
     p.add_argument("--experts", type=int, help="routed experts per MoE layer")
     p.add_argument("--top-k", type=int, help="experts per token")
     p.add_argument("--hidden", type=int, help="hidden size")
-    p.add_argument("--moe-hidden", type=int, help="intermediate size of one expert")
+    p.add_argument("--moe-hidden", "--expert-intermediate", dest="moe_hidden", type=int,
+                   help="intermediate size of one expert")
+    p.add_argument("--moe-layers", type=int, help="number of MoE layers (the layer count follows)")
+    p.add_argument("--like-trace", metavar="TRACE.npz",
+                   help="shape it like a routing trace: its MoE layers, experts and top-k, with the expert "
+                   "sizes of the real model of that routing (Qwen1.5-MoE for 60 experts top-4, ...); "
+                   "the size flags override any of them")
     p.add_argument("--bits", help="affine bits (2-8), 0 for unquantized, or mxfp4 "
                    "(default: 4-bit affine; mxfp4 for gpt_oss)")
     p.add_argument("--no-quantize", action="store_true", help="same as --bits 0")
@@ -89,6 +95,13 @@ def run_synth(args) -> int:
         vlm_layout=args.vlm_layout,
         overrides=_overrides(args.override),
     )
+    like = _like_trace(args, kwargs) if args.like_trace else None
+    if args.moe_layers is not None or like:
+        if args.layers is not None or args.target_gb is not None:
+            raise SyntheticError("--moe-layers and --like-trace set the layer count: give neither --layers nor --target-gb")
+        from expert_stream.streaming.synthetic.like_trace import layers_for_moe_layers
+
+        kwargs["layers"] = layers_for_moe_layers(args.arch, like["moe_layers"] if like else args.moe_layers, **kwargs)
     if args.target_gb is not None:
         if args.layers is not None:
             raise SyntheticError("give --layers or --target-gb, not both")
@@ -102,9 +115,14 @@ def run_synth(args) -> int:
         seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"path": str(path) if path else None, "arch": args.arch,
-                          "seconds": round(seconds, 2), **sizes}, indent=2))
+                          "seconds": round(seconds, 2), **sizes, "like_trace": like}, indent=2))
         return 0
     print(f"checkpoint: {path if path else '(dry run, nothing written)'}")
+    if like:
+        print(f"like:       {like['trace']}: {like['moe_layers']} MoE layers, {like['experts']} experts top-{like['top_k']}, "
+              f"hidden {like['hidden']}, expert intermediate {like['moe_hidden']}"
+              + (f" (expert sizes of {like['family']})" if like["sizes_from"] == "family"
+                 else f" (routing of {like['family'] or 'an unknown model'}; sizes from the flags)"))
     print(f"arch:       {args.arch}, {sizes['layers']} layers, {sizes['moe_layers']} MoE layers "
           f"x {sizes['experts']} experts")
     print(f"total:      {_size(sizes['total_bytes'])} in {sizes['n_shards']} shard(s)")
@@ -114,6 +132,18 @@ def run_synth(args) -> int:
     if path:
         print(f"written in: {seconds:.1f} s")
     return 0
+
+
+def _like_trace(args, kwargs: dict) -> dict:
+    """The trace's shape (flags win), written into kwargs; returned for the report."""
+    from expert_stream.streaming.synthetic.like_trace import like_trace_shape
+    from expert_stream.streaming.traces import load_trace
+
+    trace = load_trace(args.like_trace)
+    shape = like_trace_shape(trace, moe_layers=args.moe_layers, experts=args.experts, top_k=args.top_k,
+                             hidden=args.hidden, expert_intermediate=args.moe_hidden)
+    kwargs.update(experts=shape["experts"], top_k=shape["top_k"], hidden=shape["hidden"], moe_hidden=shape["moe_hidden"])
+    return {"trace": trace.name, **shape}
 
 
 def _size(n: int) -> str:
