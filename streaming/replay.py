@@ -13,6 +13,9 @@ stock and streamed models run it alike, so they stay bitwise comparable. The loo
 holds the router itself, so its guesses are still the random router's: it cannot know a
 replayed route (the benchmark reports its hit rate as measured).
 
+The replayed ids are computed from the router's output (plus zero times it), so a streamed
+layer still waits for its router before it knows its misses, as it would with real routing.
+
 Which rows: the benchmark sets the trace row of the next forward (`begin(row)`); each forward
 of T tokens takes rows row..row+T-1 (one per token, wrapping at the trace's end) and moves the
 row on by T when it returns. The position is set around the model's outermost call, so a
@@ -117,7 +120,10 @@ class RoutingReplay:
             raise ReplayError(f"{path}: the router gives top-{k}, the trace has top-{self.ids.shape[2]}")
         # A lossy top_k_override routes to fewer experts: the trace's first ones (its rank order).
         ids = self.ids[self.rows(self._row, n), self.columns[layer], :k]
-        return mx.array(ids.reshape(indices.shape), dtype=indices.dtype)
+        # `+ indices * 0` keeps the router in the graph of what the layer reads back: a layer
+        # must wait for its router before it knows its misses, as with real routing (a constant
+        # would be known before the device computed anything: a perfect lookahead).
+        return mx.array(ids.reshape(indices.shape), dtype=indices.dtype) + indices * 0
 
     def counted_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, counted) of every token replayed so far, in order: what a simulator replays."""

@@ -108,3 +108,25 @@ def test_batched_input_refused(checkpoints):
 
     with pytest.raises(ReplayError, match=r"shape \(1, T\)"):
         stock(mx.zeros((2, 3), dtype=mx.int32))
+
+
+def test_replayed_ids_wait_for_the_router():
+    """The ids a layer reads back depend on its router's output (a constant would let the engine
+    start its reads before the device computed the router: a lookahead real routing never has)."""
+    import io
+
+    import mlx.core as mx
+
+    trace = random_trace(16, 4, layers=1)
+    from expert_stream.streaming.replay import RoutingReplay
+
+    replay = RoutingReplay(trace, moe_layers=2)
+    replay.begin(3)
+    replay.start_forward(5)
+    router = mx.argpartition(mx.random.normal((1, 5, 16)), kth=-4, axis=-1)[..., -4:]
+    ids = replay.experts(1, "model.layers.1.mlp.switch_mlp", router)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, ids)
+    assert "ArgPartition" in dot.getvalue()
+    assert ids.dtype == router.dtype and ids.shape == (1, 5, 4)
+    assert (np.array(ids)[0] == trace.ids[3:8, 0]).all()
