@@ -39,6 +39,7 @@ class StreamedSwitch(nn.Module):
         self.stream = stream
         self.overlap = overlap
         self.skipper = skipper  # lossy.MissSkipper when skip_miss_below is set
+        self.online_budget = None  # OnlineBudget moving slots between layers (set by the loader)
         self.backend = kernel_match.current_backend()
         self.quantized = kernel_match.is_quantized(inner)
 
@@ -63,6 +64,8 @@ class StreamedSwitch(nn.Module):
             stream.pending.append(y)
             checks.computed(stream, y)  # may end the pass here (pass_checks.MissFound)
             return y
+        if self.online_budget is not None:
+            self.online_budget.apply(self)
         stream.await_prefetch()
         single_token = indices.size == indices.shape[-1]
         look = stream.lookahead if single_token else None
