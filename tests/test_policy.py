@@ -321,10 +321,11 @@ def test_policy_eval_cli(tmp_path, capsys):
     assert {"default", "lru", "belady"} <= set(out) and set(POLICIES) <= set(out)
     assert all(isinstance(v, float) for v in out.values())
     assert out["belady"] >= max(out.values()) - 1e-9
-    args = parser.parse_args(["policy-eval", str(path), "--policies", "lfu"])
+    args = parser.parse_args(["policy-eval", str(path), "--policies", "lfu", "--online-budget"])
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "belady" in text and "lfu" in text and "LRU-to-Belady gap" in text
+    assert "default+budget" in text and "misses/token" in text
 
 
 # -- the engine's cache misses what the simulator misses -------------------------------------
