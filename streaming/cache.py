@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .policy import make_policy
+from .policy import AccessOrder, make_policy
 
 EMPTY = -1
 
@@ -55,7 +55,8 @@ class ExpertCache:
         self.incoming = np.full(num_slots, EMPTY, dtype=np.int32)  # reserved for a read in flight
         # Experts placed by a prefetch that no call has used yet (to score the lookahead).
         self.speculative = np.zeros(num_experts, dtype=bool)
-        self.policy = make_policy(policy, num_experts, num_slots)
+        self.policy = AccessOrder(make_policy(policy, num_experts, num_slots))
+        self.curve = None  # budget.HitCurve while online budgets are on
         self.stats = LayerStats()
         self.step = 0
         self.version = 0  # bumped whenever the expert -> slot table changes
@@ -71,6 +72,8 @@ class ExpertCache:
         self.last_needed = needed
         self.stats.calls += 1
         self.policy.on_access(needed, self.step)
+        if self.curve is not None:
+            self.curve.record(needed)
         hit = self.resident(needed)
         self.stats.hits += int(hit.sum())
         used_spec = needed[hit & self.speculative[needed]]
@@ -139,3 +142,28 @@ class ExpertCache:
         self.speculative[experts] = False
         for e in experts:
             self.policy.on_evict(int(e))
+
+    def resize(self, num_slots: int) -> np.ndarray:
+        """Change the slot count (online budgets): evict by the policy down to `num_slots` and
+        keep the rest in slots 0, 1, ... in their order; returns each new slot's old slot (EMPTY
+        for an empty one), for ExpertSlots.resize. No read may be in flight."""
+        occupied = np.flatnonzero(self.expert_in != EMPTY)
+        over = occupied.size - num_slots
+        if over > 0:
+            victims = self.policy.choose_victims(self.expert_in[occupied], over, np.zeros(occupied.size, dtype=bool))
+            for v in victims:
+                self.policy.on_evict(int(v))
+            self.speculative[victims] = False
+            self.stats.evictions += over
+            occupied = occupied[~np.isin(self.expert_in[occupied], victims)]
+        rows = np.full(num_slots, EMPTY, dtype=np.int32)
+        rows[: occupied.size] = occupied
+        kept = self.expert_in[occupied]
+        self.slot_of[:] = EMPTY
+        self.slot_of[kept] = np.arange(kept.size, dtype=np.int32)
+        self.expert_in = np.full(num_slots, EMPTY, dtype=np.int32)
+        self.expert_in[: kept.size] = kept
+        self.num_slots = num_slots
+        self.policy.resize(num_slots)
+        self.version += 1
+        return rows

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
-from .budget import LayerPlan, plan_layers
+from .budget import HitCurve, LayerPlan, plan_layers
 from .cache import ExpertCache, LayerStats
 from .checkpoint import CheckpointIndex, NeededTensors
 from .errors import CheckpointError, NotMoEError, SettingsError
@@ -25,6 +25,7 @@ from .speculation import DecodeSpeculation, install
 from .layer_stream import LayerStream
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
+from .online_budget import OnlineBudget
 from .prefill_sweep import ScratchPool
 from .streamed_switch import StreamedSwitch
 from .traces import load_trace
@@ -172,6 +173,8 @@ def attach(
         warm_bytes += preload(rest, trace, [by_path[s.name] for s in rest])
     for s in streams:
         s.cache.stats = LayerStats()  # the counters describe serving, not loading
+    if settings.online_budget:
+        _link_online_budget(model, [s for s in streams if s not in full], top_k or 1)
     speculation = None
     if settings.speculates and any(not s.all_resident for s in streams):
         speculation = DecodeSpeculation(streams, check_every=settings.speculate_check_every)
@@ -210,6 +213,15 @@ def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_
     layer = StreamedSwitch(block, stream, settings.overlap, skipper)
     model.update_modules(tree_unflatten([(path, layer)]))
     return stream
+
+
+def _link_online_budget(model, streams, floor: int) -> None:
+    budget = OnlineBudget.for_streams(streams, floor)
+    if budget is None:
+        return
+    for s in streams:
+        s.cache.curve = HitCurve(s.cache.num_experts)
+        module_at(model, s.name).online_budget = budget
 
 
 def _link_lookahead(model, streams, spec, top_k, settings) -> None:

@@ -1,6 +1,6 @@
 """Eviction policies for a layer's cache of expert slots.
 
-The engine's per-layer cache drives a policy through four calls (this is the whole interface):
+The engine's per-layer cache drives a policy through these calls (this is the whole interface):
 
     on_access(experts, step)    the distinct expert ids one forward call of this layer uses (hits
                                 and misses), once per call, BEFORE any eviction for that call;
@@ -10,6 +10,7 @@ The engine's per-layer cache drives a policy through four calls (this is the who
     on_evict(expert)            an expert left its slot
     choose_victims(resident, count, protected) -> ids
                                 ``count`` distinct ids from ``resident[~protected]``
+    resize(slots)               the layer's slot count changed (online budgets, budget.py)
 
 These run per MoE layer per token on the decode path, so every call is a handful of numpy
 operations on arrays indexed by expert id (no per-call dicts, no Python loops over experts).
@@ -23,44 +24,15 @@ Policies (``POLICIES``; ``make_policy(name, num_experts, capacity)``):
 - ``lru``: least recently used (the floor).
 - ``lfu``: aging LFU: exponentially decayed access count, half-life 64 C accesses.
 - ``lrfu``: the same decayed count with half-life 4 C (between LRU and LFU).
-- ``lrfu-window``: decayed count (half-life 16 C), but experts used within the last C accesses
-  are evicted only after all others.
-- ``slru``: segmented LRU (probation / protected, protected share 80 %).
-- ``arc``: adaptive replacement cache (recency and frequency lists with ghost lists).
-- ``lru2``: LRU-2 (evict the oldest second-to-last use; once-used experts first).
-- ``adaptive`` (= ``default``): a panel of those scores with horizons from pure recency to
-  128 C; each call it checks which panel member would have held the call's experts (a member's
-  virtual cache is its top-C experts by score) and evicts by the member with the most such
-  virtual hits over the last ~16 C accesses. See ``AdaptivePolicy``.
+- ``adaptive`` (= ``default``): a panel of those scores, horizons from pure recency to 128 C;
+  eviction follows the member whose virtual cache (its top C experts) would have held the most
+  of the recent calls' experts. Single-stream decode wants recency plus a short frequency
+  memory, batched serving wants long memory, and each loses to LRU on the other kind: the
+  panel follows whichever fits (``AdaptivePolicy``).
 
-All policies are deterministic (ties go to the least recently used expert).
-
-Why this default (hit % of decode tokens, ``policy_sim`` replay of shared/moe_traces; share of
-the LRU-to-Belady gap closed at 10 / 25 / 50 % capacity):
-
-    llama4 (top-1, single stream)      12 / 22 / 40 %
-    qwen15 (top-4, 25 batched streams) 13 / 15 / 20 %
-    olmoe  (top-8, batched)             - / 42 / 38 %   (10 %: C = top_k, nothing to choose)
-
-- No fixed horizon fits every trace: single-stream decode wants recency plus a short frequency
-  memory (decayed count, half-life 2-4 C, best with a recency window), batched traces want long
-  memory (64 C and more, LFU-like), and each loses to LRU on the other kind (``lfu`` is 13
-  points of gap below LRU on llama4). The panel follows whichever fits; it is within about a
-  point of the best fixed member on every trace and capacity.
-- Closing half the gap is out of reach for these traces: batched decode routes almost like
-  independent draws from a drifting popularity (overlap of consecutive tokens 0.10 vs 0.07 for
-  independent draws), and even an oracle told each expert's true frequency over the whole
-  trace closes 11 % (qwen15) and 42 % (olmoe) at 25 %; on llama4 an oracle told each request's
-  own expert counts closes 39 %. What Belady exploits there is exact timing.
-- Constants (panel horizons 2, 8, 32, 128 C; window C; judge half-life 16 C) were picked by
-  leave-one-out over the three traces among 33 panel variants; the scores are flat (the mean
-  gap closed of the top 10 variants is within 1 point), so the structure matters, not the
-  digits. The llama4 halves (by request) give 15 / 25 / 36 % and 10 / 18 / 41 %.
-- Other candidates (kept under their names): ``lfu`` wins batched traces but loses single
-  stream; ``lrfu`` and ``lrfu-window`` are the reverse; ``slru``, ``arc`` and ``lru2`` trail;
-  an online hazard model over (age, inter-reference gap), a reuse-interval predictor, a
-  first-order Markov next-expert model and shadow-cache ensembles were tried and dropped (none
-  beat the panel on any trace; the Markov model also needs an E x E table).
+All policies are deterministic (ties go to the least recently used expert). The engine wraps
+each in ``AccessOrder``, which keeps the call order the simulator uses when a speculative step
+places experts before it records their access. Measurements: the README's Measured section.
 """
 
 from __future__ import annotations
@@ -103,6 +75,9 @@ class EvictionPolicy:
     def choose_victims(self, resident: np.ndarray, count: int, protected: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def resize(self, slots: int) -> None:
+        """The layer now has ``slots`` slots (online budgets); horizons keep their first C."""
+
     # -- helpers ---------------------------------------------------------------------------
     def _pick(self, cand: np.ndarray, key: np.ndarray | None, count: int) -> np.ndarray:
         """The ``count`` candidates with the lowest key (ties: least recent). key None: LRU."""
@@ -131,13 +106,10 @@ class LRUPolicy(EvictionPolicy):
 
 class DecayedCountPolicy(EvictionPolicy):
     """Exponentially decayed access count (LRFU): each access adds 1, every access anywhere
-    multiplies all counts by 2**(-1 / (half_life * C)). Evicts the lowest count.
-
-    ``window`` > 0: experts used within the last ``window * C`` accesses go after all others."""
+    multiplies all counts by 2**(-1 / (half_life * C)). Evicts the lowest count."""
 
     name = "lrfu"
     half_life = 4.0        # in multiples of C accesses
-    window = 0.0           # in multiples of C accesses
 
     def __init__(self, num_experts, capacity):
         super().__init__(num_experts, capacity)
@@ -155,133 +127,12 @@ class DecayedCountPolicy(EvictionPolicy):
 
     def choose_victims(self, resident, count, protected):
         cand = resident[~protected]
-        key = self.score[cand]
-        if self.window > 0:
-            key = key + (self.clock - self.stamp[cand] < self.window * self.capacity) * 1e12
-        return self._pick(cand, key, count)
+        return self._pick(cand, self.score[cand], count)
 
 
 class LFUPolicy(DecayedCountPolicy):
     name = "lfu"
     half_life = 64.0
-
-
-class LRFUWindowPolicy(DecayedCountPolicy):
-    name = "lrfu-window"
-    half_life = 16.0
-    window = 1.0
-
-
-class SLRUPolicy(EvictionPolicy):
-    """Segmented LRU: an expert hit while resident moves to the protected segment (at most
-    ``protected_share`` of C; the least recent protected ones fall back to probation); victims
-    come from probation first, LRU within a segment."""
-
-    name = "slru"
-    protected_share = 0.8
-
-    def __init__(self, num_experts, capacity):
-        super().__init__(num_experts, capacity)
-        self.resident = np.zeros(self.num_experts, dtype=bool)
-        self.prot = np.zeros(self.num_experts, dtype=bool)
-        self.prot_cap = max(1, int(round(self.protected_share * self.capacity)))
-
-    def on_access(self, experts, step):
-        self._touch(experts)
-        hit = experts[self.resident[experts]]
-        if hit.size:
-            self.prot[hit] = True
-            over = int(np.count_nonzero(self.prot)) - self.prot_cap
-            if over > 0:
-                p = np.flatnonzero(self.prot)
-                self.prot[p[np.argpartition(self.stamp[p], over - 1)[:over]]] = False
-
-    def on_insert(self, expert, prefetched=False):
-        super().on_insert(expert, prefetched)
-        self.resident[expert] = True
-
-    def on_evict(self, expert):
-        self.resident[expert] = False
-        self.prot[expert] = False
-
-    def choose_victims(self, resident, count, protected):
-        cand = resident[~protected]
-        return self._pick(cand, self.prot[cand].astype(np.float64), count)
-
-
-class ARCPolicy(EvictionPolicy):
-    """Adaptive replacement cache: T1 (seen once lately), T2 (seen again), ghost lists B1/B2 of
-    recently evicted ids; a ghost hit in B1 grows T1's target p, in B2 shrinks it."""
-
-    name = "arc"
-    _T1, _T2, _B1, _B2 = 1, 2, 3, 4
-
-    def __init__(self, num_experts, capacity):
-        super().__init__(num_experts, capacity)
-        self.list = np.zeros(self.num_experts, dtype=np.int8)   # 0: unknown
-        self.p = 0.0
-
-    def on_access(self, experts, step):
-        st = self.list[experts]
-        n_b1 = int(np.count_nonzero(self.list == self._B1))
-        n_b2 = int(np.count_nonzero(self.list == self._B2))
-        g1 = int(np.count_nonzero(st == self._B1))
-        g2 = int(np.count_nonzero(st == self._B2))
-        if g1:
-            self.p = min(float(self.capacity), self.p + g1 * max(1.0, n_b2 / max(n_b1, 1)))
-        if g2:
-            self.p = max(0.0, self.p - g2 * max(1.0, n_b1 / max(n_b2, 1)))
-        self.list[experts] = np.where(st == 0, self._T1, self._T2)
-        self._touch(experts)
-
-    def on_insert(self, expert, prefetched=False):
-        super().on_insert(expert, prefetched)
-        if self.list[expert] == 0:      # a prefetch nobody asked for yet: a new T1 entry
-            self.list[expert] = self._T1
-
-    def on_evict(self, expert):
-        lst = self.list
-        lst[expert] = self._B1 if lst[expert] == self._T1 else self._B2
-        C = self.capacity
-        b1 = np.flatnonzero(lst == self._B1)
-        if b1.size and np.count_nonzero(lst == self._T1) + b1.size > C:
-            lst[b1[np.argmin(self.stamp[b1])]] = 0
-        b2 = np.flatnonzero(lst == self._B2)
-        if b2.size and np.count_nonzero(lst) > 2 * C:
-            lst[b2[np.argmin(self.stamp[b2])]] = 0
-
-    def choose_victims(self, resident, count, protected):
-        cand = resident[~protected]
-        in_t1 = self.list[cand] == self._T1
-        n1 = int(np.count_nonzero(self.list == self._T1))
-        # take from T1 while it is above its target p (LRU first), then from T2
-        from_t1 = min(int(np.count_nonzero(in_t1)), max(0, n1 - int(max(1.0, self.p))), count)
-        if from_t1 < count and np.count_nonzero(~in_t1) < count - from_t1:
-            from_t1 = count - int(np.count_nonzero(~in_t1))
-        out = []
-        if from_t1:
-            out.append(self._pick(cand[in_t1], None, from_t1))
-        if count - from_t1:
-            out.append(self._pick(cand[~in_t1], None, count - from_t1))
-        return np.concatenate(out)
-
-
-class LRU2Policy(EvictionPolicy):
-    """LRU-2: evicts the expert whose second-to-last use is oldest (once-used experts first)."""
-
-    name = "lru2"
-
-    def __init__(self, num_experts, capacity):
-        super().__init__(num_experts, capacity)
-        self.prev = np.full(self.num_experts, -1.0)
-
-    def on_access(self, experts, step):
-        self.prev[experts] = self.stamp[experts]
-        self._touch(experts)
-
-    def choose_victims(self, resident, count, protected):
-        cand = resident[~protected]
-        return self._pick(cand, self.prev[cand], count)
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -368,6 +219,10 @@ class AdaptivePolicy(EvictionPolicy):
         if not self._calls & 1023:                  # keep long-unused counts out of denormals
             self.score[self.score < 1e-200] = 0.0
 
+    def resize(self, slots):
+        self._kth = self.num_experts - slots
+        self._judging = slots < self.num_experts and self.members > 1
+
     def choose_victims(self, resident, count, protected):
         cand = resident[~protected]
         j = self.leader
@@ -381,12 +236,53 @@ class AdaptivePolicy(EvictionPolicy):
         return self._pick(cand, key, count)
 
 
+class AccessOrder:
+    """Holds a policy to its call order when a caller places experts before recording their
+    access: a speculative decode step reads what a thrown pass missed, and records the step's
+    accesses only when a pass is kept (streaming/speculation.py). An insert of an expert that
+    the latest access did not ask for is delivered after the next access, as the simulator
+    orders them. Without this the recency member of ``adaptive`` saw every miss as a hit of its
+    virtual cache and won every judgement: the engine's misses matched LRU's (about 0% of the
+    gap closed, against 15-42% for the same policy in the simulator)."""
+
+    def __init__(self, policy: EvictionPolicy):
+        self.policy = policy
+        self._asked = set()     # experts of the latest access not inserted since
+        self._ahead = []        # inserted before their access: delivered after the next one
+
+    def on_access(self, experts: np.ndarray, step: int) -> None:
+        self.policy.on_access(experts, step)
+        self._asked = set(experts.tolist())
+        ahead, self._ahead = self._ahead, []
+        for e in ahead:
+            self._asked.discard(e)
+            self.policy.on_insert(e, False)
+
+    def on_insert(self, expert: int, prefetched: bool = False) -> None:
+        if prefetched or expert in self._asked:
+            self._asked.discard(expert)
+            self.policy.on_insert(expert, prefetched)
+        else:
+            self._ahead.append(expert)
+
+    def on_evict(self, expert: int) -> None:
+        if expert in self._ahead:       # its insert never reached the policy
+            self._ahead.remove(expert)
+        else:
+            self.policy.on_evict(expert)
+
+    def choose_victims(self, resident: np.ndarray, count: int, protected: np.ndarray) -> np.ndarray:
+        return self.policy.choose_victims(resident, count, protected)
+
+    def resize(self, slots: int) -> None:
+        self.policy.resize(slots)
+
+
 DEFAULT = "adaptive"
 
 POLICIES: dict[str, type] = {
     cls.name: cls
-    for cls in (LRUPolicy, LFUPolicy, DecayedCountPolicy, LRFUWindowPolicy, SLRUPolicy,
-                ARCPolicy, LRU2Policy, AdaptivePolicy)
+    for cls in (LRUPolicy, LFUPolicy, DecayedCountPolicy, AdaptivePolicy)
 }
 POLICIES["default"] = POLICIES[DEFAULT]
 

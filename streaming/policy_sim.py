@@ -12,20 +12,22 @@ The definition (it reproduces the reference table of ``shared/moe_traces/README.
   moves the numbers by up to 0.2 points, e.g. qwen15 at 50 %: Belady 80.4 instead of 80.2).
   Replayed token ``t`` (0, 1, ... over replayed tokens) is one policy step, ``step = t``; its
   top-k experts are the step's accesses: a hit if resident before the step, else a miss.
-- Per step the policy sees ``on_access(experts, t)`` first (all of the token's experts in router
-  rank order, hits and misses), then, when the misses do not fit in the free slots,
-  ``choose_victims(resident, n, protected)`` with the token's own experts protected (pinned),
-  then ``on_evict`` per victim and ``on_insert`` per missed expert, in reverse rank order (so the
-  token's top expert is inserted last). Every miss is inserted (no bypass): after warm-up the
-  cache stays full.
+- Per step the policy sees what the engine's cache (streaming/cache.py) gives it for one
+  decode call of a layer: ``on_access(experts, t)`` first (the token's experts in ascending id
+  order, as ``np.unique`` gives them, hits and misses), then, when the misses do not fit in the
+  free slots, ``choose_victims(resident, n, protected)`` with the token's own experts protected
+  (pinned), then ``on_evict`` per victim and ``on_insert`` per missed expert in ascending id
+  order. Every miss is inserted (no bypass): after warm-up the cache stays full.
+  tests/test_policy.py replays traces through the engine's ``ExpertCache`` in the orders of its
+  layer-by-layer and speculative paths and checks it misses what this simulator misses.
 - Hit rate of a layer = hits / accesses over the replayed decode tokens.
 - The trace's hit rate is the unweighted mean of its layers' hit rates, in percent.
 - Belady: on eviction, the unprotected resident whose next access (over the replayed tokens) is
   farthest in the future; never-used-again experts first (ties: lowest id).
 - LRU ties: `lru` stamps a call's experts in reverse of the order given (the first listed is the
   most recent) and stamps an expert again when inserted, so this call's misses are more recent
-  than its hits. With the replay order above this reproduces the reference table to 0.05 points
-  (the tie order moves the batched traces' LRU by up to 0.3 points).
+  than its hits. With the replay order above this reproduces the reference table (made in
+  router rank order) to 0.2 points; the tie order alone moves the batched traces' LRU that much.
 
 The policy objects are the engine's own (``expert_stream.streaming.policy``), driven through
 exactly the interface the engine's cache calls.
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .budget import REBALANCE_EVERY, HitCurve, rebalance
 from .policy import EvictionPolicy, POLICIES, make_policy
 from .traces import RoutingTrace
 
@@ -106,7 +109,7 @@ def _distinct_rows(ids_l: np.ndarray) -> np.ndarray:
 def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
                    counted: np.ndarray | None = None, check: bool = False) -> LayerResult:
     """Replay one layer's (tokens, top_k) expert ids through ``policy`` with ``capacity`` slots."""
-    rows = np.ascontiguousarray(_distinct_rows(np.asarray(ids_l)), dtype=np.int64)
+    rows = np.ascontiguousarray(np.sort(_distinct_rows(np.asarray(ids_l)), axis=1), dtype=np.int64)
     T, K = rows.shape
     E = policy.num_experts
     if capacity < K:
@@ -152,7 +155,7 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
                 resident[s] = -1
                 free.append(s)
                 on_evict(v)
-        for e in reversed(miss):
+        for e in miss:
             s = free.pop()
             resident[s] = e
             slot_of[e] = s
@@ -171,7 +174,8 @@ def simulate(trace: RoutingTrace, policy: str | type, share: float,
              layers=None, check: bool = False, include_prefill: bool = False) -> dict:
     """Hit rate (%) of ``policy`` (a registry name, a class, or "belady") on ``trace``.
 
-    Returns {"hit_rate": mean over layers, "per_layer": [...], "capacity": C}."""
+    Returns {"hit_rate": mean over layers, "per_layer": [...], "capacity": C,
+    "misses_per_token": misses of all layers per counted token}."""
     E, K = int(trace.num_experts), trace.top_k
     C = capacity_for(share, E, K)
     counted = trace.decode_mask()
@@ -179,7 +183,7 @@ def simulate(trace: RoutingTrace, policy: str | type, share: float,
         replay = slice(None)
     else:
         replay, counted = counted, None
-    per_layer = []
+    per_layer, misses = [], 0
     for li in (range(trace.num_layers) if layers is None else layers):
         ids_l = trace.ids[replay, li, :].astype(np.int64)
         if policy == "belady":
@@ -188,8 +192,12 @@ def simulate(trace: RoutingTrace, policy: str | type, share: float,
             pol = make_policy(policy, E, C)
         else:
             pol = policy(E, C)
-        per_layer.append(simulate_layer(ids_l, pol, C, counted, check=check).hit_rate)
-    return {"hit_rate": float(np.mean(per_layer)), "per_layer": per_layer, "capacity": C}
+        res = simulate_layer(ids_l, pol, C, counted, check=check)
+        per_layer.append(res.hit_rate)
+        misses += res.accesses - res.hits
+    tokens = int(trace.decode_mask().sum())
+    return {"hit_rate": float(np.mean(per_layer)), "per_layer": per_layer, "capacity": C,
+            "misses_per_token": misses / max(tokens, 1)}
 
 
 def evaluate(trace: RoutingTrace, share: float, policies=None, check: bool = False,
@@ -215,3 +223,67 @@ def gap_closed(policy_rate: float, lru_rate: float, belady_rate: float) -> float
     """Share (0..1) of the LRU-to-Belady gap a policy closes (nan when there is no gap)."""
     gap = belady_rate - lru_rate
     return (policy_rate - lru_rate) / gap if gap > 1e-9 else float("nan")
+
+
+class _ResizableLayer:
+    """One layer's cache in the budgeted replay: the same call order as ``simulate_layer``,
+    with a slot count that can change between tokens."""
+
+    def __init__(self, policy: EvictionPolicy, slots: int):
+        self.policy, self.slots = policy, slots
+        self.resident: set[int] = set()
+        self.curve = HitCurve(policy.num_experts)
+        self.hits = self.accesses = 0
+
+    def step(self, row: np.ndarray, t: int) -> int:
+        self.curve.record(row)
+        miss = [e for e in row.tolist() if e not in self.resident]
+        self.policy.on_access(row, t)
+        self.accesses += len(row)
+        self.hits += len(row) - len(miss)
+        over = len(self.resident) + len(miss) - self.slots
+        if over > 0:
+            self._evict(over, row)
+        for e in miss:
+            self.resident.add(e)
+            self.policy.on_insert(e)
+        return len(miss)
+
+    def resize(self, slots: int) -> None:
+        self.slots = slots
+        self.policy.resize(slots)
+        over = len(self.resident) - slots
+        if over > 0:
+            self._evict(over, np.empty(0, dtype=np.int64))
+
+    def _evict(self, count: int, pinned: np.ndarray) -> None:
+        res = np.fromiter(self.resident, dtype=np.int64, count=len(self.resident))
+        for v in np.asarray(self.policy.choose_victims(res, count, np.isin(res, pinned))).tolist():
+            self.resident.discard(v)
+            self.policy.on_evict(v)
+
+
+def simulate_budgeted(trace: RoutingTrace, policy: str, share: float,
+                      every: int = REBALANCE_EVERY) -> dict:
+    """Misses per decode token of ``policy`` when every layer starts at ``share`` of its experts
+    and slots move between layers every ``every`` tokens by the layers' measured hit curves
+    (``budget.rebalance``). Same replay definition as ``simulate`` otherwise.
+
+    Returns {"hit_rate": mean over layers, "misses_per_token": ..., "slots": final slots per
+    layer, "capacity": C}."""
+    E, K = int(trace.num_experts), trace.top_k
+    C = capacity_for(share, E, K)
+    ids = np.sort(trace.ids[trace.decode_mask()].astype(np.int64), axis=2)
+    layers = [_ResizableLayer(make_policy(policy, E, C), C) for _ in range(trace.num_layers)]
+    misses = 0
+    for t in range(ids.shape[0]):
+        for layer, row in zip(layers, ids[t]):
+            misses += layer.step(row, t)
+        if len(layers) > 1 and t and not t % every:
+            new = rebalance([l.curve for l in layers], [l.slots for l in layers], K)
+            for layer, n in sorted(zip(layers, new), key=lambda p: p[1] - p[0].slots):
+                if n != layer.slots:      # shrinking layers first: the total never exceeds
+                    layer.resize(min(n, E))
+    return {"hit_rate": float(np.mean([100.0 * l.hits / max(l.accesses, 1) for l in layers])),
+            "misses_per_token": misses / max(ids.shape[0], 1),
+            "slots": [l.slots for l in layers], "capacity": C}

@@ -38,6 +38,9 @@ class StreamSettings:
     prefill_step: int = 2048
     # Split the budget over layers by measured miss curves (warm-start trace) instead of evenly.
     budget_by_trace: bool = True
+    # Move slots between layers while serving, by the hit curves they measure
+    # (streaming/online_budget.py).
+    online_budget: bool = True
     # Reader: threads, backend ("auto" | "native" | "python") and page-cache bypass mode.
     reader_threads: int = 4
     reader: str = "auto"

@@ -103,20 +103,33 @@ class ExpertSlots:
         self.write_mode = write_mode
         self.arrays = {t.leaf: mx.zeros((num_slots, *t.row_shape), dtype=t.mx_dtype) for t in tensors}
         mx.eval(list(self.arrays.values()))
-        self._views = {}
         self._copier = None
         if write_mode == "cuda":
             self._copier = cuda_copy.copier()
             if self._copier is None:
                 raise SettingsError(f"slot_write 'cuda' needs the CUDA driver: {cuda_copy.why_unavailable()}")
-        if write_mode in ("direct", "staged", "cuda"):
-            for t in tensors:
-                raw = self.arrays[t.leaf].reshape(num_slots, -1).view(mx.uint8)
+        self._make_views()
+
+    def _make_views(self) -> None:
+        self._views = {}
+        if self.write_mode in ("direct", "staged", "cuda"):
+            for t in self.tensors:
+                raw = self.arrays[t.leaf].reshape(self.num_slots, -1).view(mx.uint8)
                 mx.eval(raw)
                 view = np.array(raw, copy=False)
-                if not view.flags.writeable or view.shape != (num_slots, t.row_bytes):
+                if not view.flags.writeable or view.shape != (self.num_slots, t.row_bytes):
                     raise RuntimeError("direct slot writes need a writable host view of MLX memory")
                 self._views[t.leaf] = view
+
+    def resize(self, rows: np.ndarray) -> None:
+        """New slot arrays of len(rows) slots: new slot i holds old slot rows[i] (-1: an empty
+        slot, any bytes). Graphs still pending keep the old arrays alive, and nothing writes
+        those again; the caller hands the new arrays to the module (online budgets)."""
+        where = mx.array(np.maximum(rows, 0).astype(np.uint32))
+        self.arrays = {leaf: a[where] for leaf, a in self.arrays.items()}
+        mx.eval(list(self.arrays.values()))
+        self.num_slots = len(rows)
+        self._make_views()
 
     @property
     def nbytes(self) -> int:

@@ -39,6 +39,7 @@ class StreamedSwitch(nn.Module):
         self.stream = stream
         self.overlap = overlap
         self.skipper = skipper  # lossy.MissSkipper when skip_miss_below is set
+        self.online_budget = None  # OnlineBudget moving slots between layers (set by the loader)
         self.backend = kernel_match.current_backend()
         self.quantized = kernel_match.is_quantized(inner)
 
@@ -64,6 +65,8 @@ class StreamedSwitch(nn.Module):
             checks.computed(stream, y)  # may end the pass here (pass_checks.MissFound)
             return y
         stream.reap()
+        if self.online_budget is not None:
+            self.online_budget.apply(self)
         try:
             y = self._streamed(x, indices)
         except BaseException:

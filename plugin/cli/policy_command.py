@@ -1,9 +1,12 @@
 """`expert-stream policy-eval`: replay a routing trace through the cache's eviction policies.
 
-    expert-stream policy-eval TRACE.npz --capacity 0.25 [--policies lru,default,...] [--json]
+    expert-stream policy-eval TRACE.npz --capacity 0.25 [--policies lru,default,...]
+                              [--online-budget] [--json]
 
-Prints the decode hit rate (%) of each policy, Belady's optimum as the ceiling, and the share of
-the LRU-to-Belady gap the default policy closes. The replay definition is the one documented in
+Prints the decode hit rate (%) and misses per decode token of each policy, Belady's optimum as
+the ceiling, and the share of the LRU-to-Belady gap (in misses per token) the default policy
+closes. ``--online-budget`` adds LRU and the default with slots moved between layers by their
+measured hit curves (``policy_sim.simulate_budgeted``). The replay definition is the one documented in
 `expert_stream.streaming.policy_sim` (per-layer caches, each token's top-k pinned, decode tokens,
 cache carried over requests, mean over layers).
 """
@@ -32,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--policies", default=None, metavar="NAMES",
                    help="comma-separated policy names (default: every registered policy); "
                         "lru, default and belady are always included")
+    p.add_argument("--online-budget", action="store_true",
+                   help="also replay lru and default with online per-layer budgets "
+                        "(rows lru+budget, default+budget)")
     p.add_argument("--json", action="store_true",
                    help="print only a JSON object {policy: hit %%} on stdout")
     p.add_argument("--include-prefill", action="store_true",
@@ -48,7 +54,8 @@ def _error(msg: str) -> Exception:
 
 def run_policy_eval(args: argparse.Namespace) -> int:
     from expert_stream.streaming.policy import DEFAULT, POLICIES
-    from expert_stream.streaming.policy_sim import capacity_for, gap_closed, simulate
+    from expert_stream.streaming.policy_sim import (
+        capacity_for, gap_closed, simulate, simulate_budgeted)
     from expert_stream.streaming.traces import load_trace
 
     share = float(args.capacity)
@@ -71,16 +78,21 @@ def run_policy_eval(args: argparse.Namespace) -> int:
         raise _error(f"{args.trace}: no decode tokens (phase == 1) to evaluate")
 
     rates: dict[str, float] = {}
-    by_class: dict[type, float] = {}
+    per_token: dict[str, float] = {}
+    by_class: dict[type, tuple] = {}
     for n in names + ["belady"]:
         cls = POLICIES.get(n)
         if cls is not None and cls in by_class:       # an alias ("default") of a policy done
-            rates[n] = by_class[cls]
+            rates[n], per_token[n] = by_class[cls]
             continue
-        r = simulate(trace, n, share, include_prefill=args.include_prefill)["hit_rate"]
-        rates[n] = float(r)
+        r = simulate(trace, n, share, include_prefill=args.include_prefill)
+        rates[n], per_token[n] = float(r["hit_rate"]), float(r["misses_per_token"])
         if cls is not None:
-            by_class[cls] = rates[n]
+            by_class[cls] = rates[n], per_token[n]
+    if args.online_budget:
+        for n in ("lru", "default"):
+            r = simulate_budgeted(trace, n, share)
+            rates[f"{n}+budget"], per_token[f"{n}+budget"] = r["hit_rate"], r["misses_per_token"]
 
     if args.json:
         json.dump(rates, sys.stdout)
@@ -97,14 +109,15 @@ def run_policy_eval(args: argparse.Namespace) -> int:
     print()
     labels = {n: (f"{n} (= {DEFAULT})" if n == "default" else n) for n in rates}
     width = max(len(v) for v in labels.values()) + 2
-    print(f"{'policy':<{width}}{'hit %':>8}")
+    print(f"{'policy':<{width}}{'hit %':>8}{'misses/token':>14}")
     for n, r in rates.items():
-        print(f"{labels[n]:<{width}}{r:>8.2f}")
-    g = gap_closed(rates["default"], rates["lru"], rates["belady"])
+        print(f"{labels[n]:<{width}}{r:>8.2f}{per_token[n]:>14.3f}")
+    g = gap_closed(-per_token["default"], -per_token["lru"], -per_token["belady"])
     print()
     if math.isnan(g):
         print("LRU already equals Belady here: no gap to close.")
     else:
-        print(f"default closes {100 * g:.1f}% of the LRU-to-Belady gap "
-              f"({rates['lru']:.2f} -> {rates['default']:.2f} of {rates['belady']:.2f})")
+        print(f"default closes {100 * g:.1f}% of the LRU-to-Belady gap in misses per token "
+              f"({per_token['lru']:.3f} -> {per_token['default']:.3f}; "
+              f"Belady {per_token['belady']:.3f})")
     return 0
