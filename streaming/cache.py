@@ -147,6 +147,8 @@ class ExpertCache:
         """Change the slot count (online budgets): evict by the policy down to `num_slots` and
         keep the rest in slots 0, 1, ... in their order; returns each new slot's old slot (EMPTY
         for an empty one), for ExpertSlots.resize. No read may be in flight."""
+        if (self.incoming != EMPTY).any():
+            raise RuntimeError("cannot resize an expert cache while reads into it are in flight")
         occupied = np.flatnonzero(self.expert_in != EMPTY)
         over = occupied.size - num_slots
         if over > 0:
@@ -163,6 +165,7 @@ class ExpertCache:
         self.slot_of[kept] = np.arange(kept.size, dtype=np.int32)
         self.expert_in = np.full(num_slots, EMPTY, dtype=np.int32)
         self.expert_in[: kept.size] = kept
+        self.incoming = np.full(num_slots, EMPTY, dtype=np.int32)
         self.num_slots = num_slots
         self.policy.resize(num_slots)
         self.version += 1

@@ -56,6 +56,7 @@ class OnlineBudget:
     def _resize(self, layer, slots: int) -> None:
         stream = layer.stream
         stream.await_prefetch()  # its bytes land in the current arrays
+        stream.reap()
         self.moves += abs(slots - stream.cache.num_slots)
         rows = stream.cache.resize(slots)
         stream.slots.resize(rows)

@@ -344,7 +344,7 @@ def _engine_misses(rows, name, E, C, order):
         else:
             missing = needed[~cache.resident(needed)]
         if missing.size:
-            cache.place(missing, protected=needed)
+            cache.claim(cache.place(missing, protected=needed))
         if order != "layer":
             cache.access(needed)
         misses += missing.size
