@@ -13,7 +13,10 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 # Config keys that hold the number of experts each token is routed to, across mlx-lm models.
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token", "moe_k")
+TOP_K_KEYS = (
+    "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token", "moe_k",
+    "top_k_experts", "moe_top_k",  # gemma4_text, step3p5
+)
 # Names routers go by inside an MoE block, and the norms in front of the MoE block in a layer.
 ROUTER_NAMES = ("gate", "router")
 NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm", "norm2", "norm")

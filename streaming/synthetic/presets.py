@@ -748,6 +748,11 @@ PRESETS: dict[str, Preset] = {
     ]
 }
 
+# The families of presets_2026.py (the 2026 flagships and the older families added with them).
+from .presets_2026 import PRESETS_2026  # noqa: E402  (it builds on the helpers above)
+
+PRESETS.update({p.name: p for p in PRESETS_2026})
+
 
 def all_architectures() -> tuple[str, ...]:
     """Preset names whose mlx-lm model module exists in the installed mlx-lm."""
