@@ -60,6 +60,24 @@ class ArchitectureSpec:
         return None
 
 
+# MoE families of mlx-lm that cannot stream, and why (one sentence each, shown to the user).
+UNSTREAMABLE = {
+    "dbrx": "mlx-lm builds its experts as one MLP module per expert, not one stacked SwitchGLU, "
+    "so no expert is a byte range of a stacked tensor",
+}
+
+
+def check_streamable(model_type: str, model_dir) -> None:
+    """Refuse a family listed in UNSTREAMABLE, naming it and saying what to do."""
+    from .errors import CheckpointError
+
+    if model_type in UNSTREAMABLE:
+        raise CheckpointError(
+            f"{model_dir}: model_type {model_type!r} cannot stream: {UNSTREAMABLE[model_type]}; "
+            "load it with mlx_lm.load (the whole model in memory) or without expert_stream settings"
+        )
+
+
 GENERIC = ArchitectureSpec(name="generic", notes="any mlx-lm model with SwitchGLU / SwitchMLP experts")
 
 

@@ -249,7 +249,7 @@ def _muse_spark(d: Dims) -> dict:
         "output_multiplier": 1.0,
         "num_local_experts": d.experts,
         "num_experts_per_tok": d.top_k,
-        "moe_hidden_size": d.hidden,
+        "moe_hidden_size": d.hidden // 2,  # experts run at a compressed width
         "moe_intermediate_size": d.moe_hidden,
         "tie_word_embeddings": False,
     }
@@ -661,25 +661,25 @@ def _step3p5(d: Dims) -> dict:
 
 
 PRESETS_2026 = [
-    Preset("deepseek_v41", _deepseek_v41, layers=3, notes="mlx-lm >= 0.32; hyper-connections, "
+    Preset("deepseek_v41", _deepseek_v41, mlx_lm_since="0.32", layers=3, notes="mlx-lm >= 0.32; hyper-connections, "
            "compressed KV, a layer cache of its own (not rewound: decode runs layer by layer)"),
-    Preset("kimi_k3", _kimi_k3, layers=4, min_layers=2, vlm=VlmLayout("native"),
+    Preset("kimi_k3", _kimi_k3, mlx_lm_since="0.32", layers=4, min_layers=2, vlm=VlmLayout("native"),
            notes="mlx-lm >= 0.32; KDA + MLA, attention residuals, latent MoE (experts at "
            "routed_expert_hidden_size); names start with language_model."),
-    Preset("mistral4", _mistral4, layers=3, notes="mlx-lm >= 0.32; MLA, shared expert"),
+    Preset("mistral4", _mistral4, mlx_lm_since="0.32", layers=3, notes="mlx-lm >= 0.32; MLA, shared expert"),
     Preset("gemma4_text", _gemma4_text, layers=3,
            notes="dense MLP and MoE side by side in every layer; tied embeddings"),
     Preset("mimo_v2_flash", _mimo_v2_flash, layers=4, min_layers=2,
            notes="sliding / global attention with sinks, dense first layer"),
-    Preset("minimax_m3_vl", _minimax_m3_vl, layers=3, vlm=VlmLayout("native"),
+    Preset("minimax_m3_vl", _minimax_m3_vl, mlx_lm_since="0.32", layers=3, vlm=VlmLayout("native"),
            notes="mlx-lm >= 0.32; the language model of MiniMax-M3 (names start with "
            "language_model.), dense first layer, shared expert"),
-    Preset("muse_spark", _muse_spark, layers=2,
+    Preset("muse_spark", _muse_spark, mlx_lm_since="0.32", metal_only=True, layers=2,
            notes="mlx-lm >= 0.32; attention runs through Metal-only kernels in stock mlx-lm: "
            "no forward pass on CPU or CUDA"),
-    Preset("bailing_moe_v3", _bailing_moe_v3, layers=4, min_layers=2,
+    Preset("bailing_moe_v3", _bailing_moe_v3, mlx_lm_since="0.32", layers=4, min_layers=2,
            notes="mlx-lm >= 0.32; KDA + MLA groups, dense first layer, shared expert"),
-    Preset("bailing_hybrid", _bailing_hybrid, layers=4, min_layers=2,
+    Preset("bailing_hybrid", _bailing_hybrid, mlx_lm_since="0.32", layers=4, min_layers=2,
            notes="mlx-lm >= 0.32; linear attention + MLA groups, dense first layer"),
     Preset("bailing_moe_linear", _bailing_moe_linear, layers=4, min_layers=2,
            notes="linear attention groups, dense first layer, shared expert"),
@@ -694,7 +694,7 @@ PRESETS_2026 = [
     Preset("exaone_moe", _exaone_moe, layers=4, notes="sliding / full attention, dense first layer"),
     Preset("hunyuan", _hunyuan, notes="shared MLP beside the experts"),
     Preset("longcat_flash", _longcat_flash, notes="two attentions per layer, zero experts"),
-    Preset("mellum", _mellum, notes="mlx-lm >= 0.32; sliding / full attention"),
+    Preset("mellum", _mellum, mlx_lm_since="0.32", notes="mlx-lm >= 0.32; sliding / full attention"),
     Preset("Klear", _klear, notes="shared expert"),
     Preset("afmoe", _afmoe, layers=4, notes="dense first layer, sliding / full attention"),
     Preset("phimoe", _phimoe, experts=8, top_k=2),
