@@ -389,6 +389,7 @@ def _granitemoehybrid(d: Dims) -> dict:
         "mamba_n_groups": 1,
         "mamba_conv_bias": True,
         "position_embedding_type": "nope",
+        "rope_theta": 10000.0,  # mlx-lm 0.31 requires it even without rope
         "tie_word_embeddings": True,
         # the moe width: granite's experts are `intermediate_size` wide in transformers
         "moe_intermediate_size": d.moe_hidden,
@@ -620,8 +621,17 @@ def _phimoe(d: Dims) -> dict:
         "num_local_experts": d.experts,
         "num_experts_per_tok": d.top_k,
         "original_max_position_embeddings": 4096,
+        "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
+        # Phi-3.5-MoE's long-context rope (mlx-lm 0.31 requires the block)
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(d.hidden // d.heads // 2)],
+            "long_factor": [1.0 + 0.5 * i for i in range(d.hidden // d.heads // 2)],
+            "short_mscale": 1.243,
+            "long_mscale": 1.243,
+        },
     }
 
 
