@@ -127,3 +127,19 @@ def test_unstreamable_family_is_refused_naming_it(tmp_path):
         with pytest.raises(CheckpointError, match=r"'dbrx' cannot stream: .*one MLP module per expert") as err:
             call()
         assert str(err.value).count(". ") == 0  # one sentence
+
+
+def test_kimi_k3_without_latent_moe_is_exact_under_speculation(checkpoints):
+    """kimi_k3 with its latent MoE off: lookahead on, speculative decode throwing passes away.
+    Its attention residuals (a ResidualBlocks object every layer appends to) made replayed
+    layers hand back the thrown pass's blocks: decode step 3 differed. Now such a model reruns
+    a thrown step whole, and every logit equals stock's, chunked prefill included."""
+    _skip_unavailable("kimi_k3")
+    from exactness import assert_same_logits, load_pair, prompt_ids
+
+    path = checkpoints("kimi_k3", overrides={"routed_expert_hidden_size": None})
+    stock, streamed, handle = load_pair(path)
+    assert_same_logits(stock, streamed, prompt_ids(70, seed=3), decode_steps=16, chunk=32)
+    spec = handle.stats()["speculation"]
+    assert spec["passes_thrown"] > 0 and spec["layers_replayed"] == 0
+    handle.close()
