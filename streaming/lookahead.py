@@ -101,10 +101,13 @@ def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router
 
 
 def _expert_input_width(block: nn.Module) -> Optional[int]:
-    """The input width of a (streamed or stock) expert block: its first stacked linear's."""
+    """The input width of a (streamed or stock) expert block: that of the stacked linear its
+    input enters (SwitchGLU's gate_proj, SwitchMLP's fc1); None for another kind of block."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-    for _, module in block.named_modules():
+    inner = block.get("inner", block) if isinstance(block, dict) else block
+    for name in ("gate_proj", "fc1"):
+        module = inner.get(name) if isinstance(inner, dict) else None
         if isinstance(module, QuantizedSwitchLinear):
             return module["scales"].shape[-1] * module.group_size
         if isinstance(module, SwitchLinear):

@@ -139,7 +139,21 @@ def test_kimi_k3_without_latent_moe_is_exact_under_speculation(checkpoints):
 
     path = checkpoints("kimi_k3", overrides={"routed_expert_hidden_size": None})
     stock, streamed, handle = load_pair(path)
+    assert all(s.lookahead is not None for s in handle.streams[:-1])
     assert_same_logits(stock, streamed, prompt_ids(70, seed=3), decode_steps=16, chunk=32)
     spec = handle.stats()["speculation"]
     assert spec["passes_thrown"] > 0 and spec["layers_replayed"] == 0
+    handle.close()
+
+
+def test_kimi_k3_latent_moe_streams_without_lookahead(checkpoints):
+    """The latent MoE's experts see a down-projection of the residual (width
+    routed_expert_hidden_size): the lookahead probe, which rescales the normed residual, is
+    not built (it failed the first decode with a broadcast error), and logits equal stock's."""
+    _skip_unavailable("kimi_k3")
+    from exactness import assert_same_logits, load_pair, prompt_ids
+
+    stock, streamed, handle = load_pair(checkpoints("kimi_k3"))
+    assert len(handle.streams) > 1 and all(s.lookahead is None for s in handle.streams)
+    assert_same_logits(stock, streamed, prompt_ids(48), decode_steps=6)
     handle.close()
