@@ -13,7 +13,10 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 # Config keys that hold the number of experts each token is routed to, across mlx-lm models.
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token", "moe_k")
+TOP_K_KEYS = (
+    "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "experts_per_token", "moe_k",
+    "top_k_experts", "moe_top_k",  # gemma4_text, step3p5
+)
 # Names routers go by inside an MoE block, and the norms in front of the MoE block in a layer.
 ROUTER_NAMES = ("gate", "router")
 NORM_NAMES = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm", "norm2", "norm")
@@ -55,6 +58,24 @@ class ArchitectureSpec:
                 if isinstance(source.get(key), int):
                     return source[key]
         return None
+
+
+# MoE families of mlx-lm that cannot stream, and why (one sentence each, shown to the user).
+UNSTREAMABLE = {
+    "dbrx": "mlx-lm builds its experts as one MLP module per expert, not one stacked SwitchGLU, "
+    "so no expert is a byte range of a stacked tensor",
+}
+
+
+def check_streamable(model_type: str, model_dir) -> None:
+    """Refuse a family listed in UNSTREAMABLE, naming it and saying what to do."""
+    from .errors import CheckpointError
+
+    if model_type in UNSTREAMABLE:
+        raise CheckpointError(
+            f"{model_dir}: model_type {model_type!r} cannot stream: {UNSTREAMABLE[model_type]}; "
+            "load it with mlx_lm.load (the whole model in memory) or without expert_stream settings"
+        )
 
 
 GENERIC = ArchitectureSpec(name="generic", notes="any mlx-lm model with SwitchGLU / SwitchMLP experts")

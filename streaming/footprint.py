@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
+from .architectures import ArchitectureSpec, check_streamable, find_expert_blocks, spec_for
 from .checkpoint import CheckpointIndex
 from .errors import NotMoEError
 from .settings import GIB
@@ -58,6 +58,7 @@ def checkpoint_footprint(
     from .loader import expert_tensors
 
     index = CheckpointIndex(path)
+    check_streamable(index.model_type, index.model_dir)
     model, _ = load_model(index.model_dir, lazy=True)
     spec = spec_for(index.model_type, architectures)
     blocks = find_expert_blocks(model, spec)

@@ -10,8 +10,9 @@ computing anything. Layers from L on compute from caches rewound to before the s
 
 This relies only on the shape every mlx-lm model has: a loop that calls each decoder layer once,
 in order, passing it its own cache. A model that does anything else (calls a layer twice, shares
-a cache between layers, keeps caches that no layer is given) is detected after a pass and is
-simply not replayed: its thrown passes rerun the whole step, as before.
+a cache between layers, keeps caches that no layer is given, returns from a layer an object
+other than arrays) is detected after a pass and is simply not replayed: its thrown passes rerun
+the whole step, as before.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class StepReplay:
         self._caches: list = [None] * n
         self._calls: list[int] = []
         self.replay_below = 0
+        self._opaque = False  # a layer returned an object a later layer may change in place
         self.active = False  # set around speculative passes; other calls run the layers as is
         self.shape_ok = False  # the last complete pass had the shape replay needs
 
@@ -74,6 +76,7 @@ class StepReplay:
     def start_pass(self, replay_below: int) -> None:
         self.replay_below = replay_below
         self._calls = []
+        self._opaque = False
 
     def call(self, index: int, run, args, kwargs):
         self._calls.append(index)
@@ -83,6 +86,8 @@ class StepReplay:
                 _restore(cache, state)
             return self._outputs[index]
         out = run()
+        if not _plain(out):
+            self._opaque = True
         self._outputs[index] = out
         self._states[index] = [_snapshot(c) for c in caches]
         self._caches[index] = caches
@@ -92,7 +97,7 @@ class StepReplay:
         """The last pass called decoder layers 0, 1, ... in order (all of them when `whole`),
         each with caches of its own that are the model's (all of them when `whole`)."""
         calls = self._calls
-        if model_caches is None or calls != list(range(len(calls))):
+        if model_caches is None or self._opaque or calls != list(range(len(calls))):
             return False
         seen = [id(c) for index in calls for c in (self._caches[index] or ())]
         model = {id(c) for c in model_caches}
@@ -123,6 +128,20 @@ class StepReplay:
         """Drop the recorded outputs and states (they hold device arrays)."""
         self.start_step()
         self._caches = [None] * len(self.layers)
+
+
+def _plain(out) -> bool:
+    """An output made only of arrays (in tuples or lists) and None: a replay can hand it back.
+    Anything else may be changed in place by the layers after it (kimi_k3's attention
+    residuals return the ResidualBlocks every later layer appends to), so the recorded object
+    would no longer be what this layer returned."""
+    import mlx.core as mx
+
+    if out is None or isinstance(out, mx.array):
+        return True
+    if isinstance(out, (tuple, list)):
+        return all(_plain(o) for o in out)
+    return False
 
 
 def build(model: nn.Module, streams) -> Optional[StepReplay]:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
+from .architectures import ArchitectureSpec, check_streamable, find_expert_blocks, spec_for
 from .budget import HitCurve, LayerPlan, plan_layers
 from .cache import ExpertCache, LayerStats
 from .checkpoint import CheckpointIndex, NeededTensors
@@ -130,6 +130,7 @@ def attach(
     ones. The caller evaluates the trunk afterwards (`mx.eval(model.parameters())`)."""
     if not isinstance(index, CheckpointIndex):
         index = CheckpointIndex(index)
+    check_streamable(index.model_type, index.model_dir)
     spec = spec_for(index.model_type, architectures)
     blocks = find_expert_blocks(model, spec)
     if not blocks:
@@ -234,9 +235,17 @@ def _link_lookahead(model, streams, spec, top_k, settings) -> None:
 
 
 def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):
-    """The checkpoint tensors behind a block's parameters, checked against the model's shapes."""
+    """The checkpoint tensors behind a block's stacked expert parameters, checked against the
+    model's shapes. Other parameters a block holds stay with the trunk (muse_spark keeps a
+    norm, `experts.post_expert_norm`, inside its SwitchGLU). A plugin's block class without
+    stacked linears streams all its parameters."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    stacked = {p for p, m in block.named_modules() if isinstance(m, (SwitchLinear, QuantizedSwitchLinear))}
     tensors = []
     for leaf, param in tree_flatten(block.parameters()):
+        if stacked and leaf.rpartition(".")[0] not in stacked:
+            continue
         full = f"{path}.{leaf}"
         info = index.find(full, spec.key_candidates(full))
         if info is None:

@@ -88,12 +88,31 @@ def make_probe(model: nn.Module, path_l: str, path_next: str, count: int, router
     w_l, w_next = _norm_weight(layer_l), _norm_weight(layer_next)
     if logits is None or w_l is None or w_next is None:
         return None
+    # The probe rescales layer l's expert input, which is the normed residual only when the
+    # experts run at the model's width: kimi_k3's latent MoE feeds them a down-projection.
+    if _expert_input_width(module_at(model, path_l)) != w_l.size:
+        return None
     safe = mx.where(w_l == 0, 1, w_l)
     scale = mx.where(w_l == 0, 0, w_next / safe)
     # Evaluated here: hosts generate on another thread, where a graph built on the loading
     # thread's stream cannot run.
     mx.eval(scale)
     return RouterProbe(logits, scale, count)
+
+
+def _expert_input_width(block: nn.Module) -> Optional[int]:
+    """The input width of a (streamed or stock) expert block: that of the stacked linear its
+    input enters (SwitchGLU's gate_proj, SwitchMLP's fc1); None for another kind of block."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    inner = block.get("inner", block) if isinstance(block, dict) else block
+    for name in ("gate_proj", "fc1"):
+        module = inner.get(name) if isinstance(inner, dict) else None
+        if isinstance(module, QuantizedSwitchLinear):
+            return module["scales"].shape[-1] * module.group_size
+        if isinstance(module, SwitchLinear):
+            return module["weight"].shape[-1]
+    return None
 
 
 def module_at(model: nn.Module, path: str):

@@ -43,6 +43,16 @@ class StreamedSwitch(nn.Module):
         self.backend = kernel_match.current_backend()
         self.quantized = kernel_match.is_quantized(inner)
 
+    def __getattr__(self, name: str):
+        # The model may reach into the block it built: muse_spark reads
+        # `experts.post_expert_norm`, a norm it keeps on its SwitchGLU.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "inner" not in self:
+                raise
+            return getattr(self["inner"], name)
+
     def row_plan(self, stock_rows: int, array_experts: int, sorted_rows: bool) -> kernel_match.RowPlan:
         """How to shape calls on a tensor of `array_experts` experts (slots, scratch) that
         compute part of a stock call of `stock_rows` (token, expert) pairs."""

@@ -6,19 +6,35 @@ from __future__ import annotations
 
 import pytest
 
-from exactness import assert_same_logits, load_pair, prompt_ids
-from expert_stream.streaming.synthetic import ARCHITECTURES
+import mlx.core as mx
 
-# (arch, synth options). Default quantization is each family's usual export (4-bit affine;
+from exactness import assert_same_logits, load_pair, prompt_ids
+from expert_stream.streaming.synthetic import PRESETS
+
+# (arch, synth options), every preset: a family the installed mlx-lm lacks is skipped, naming
+# the version it needs. Default quantization is each family's usual export (4-bit affine;
 # mxfp4 with expert biases for gpt_oss).
-CASES = [(arch, {}) for arch in ARCHITECTURES] + [
+CASES = [(arch, {}) for arch in PRESETS] + [
     ("qwen3_moe", {"bits": 8}),
     ("qwen3_moe", {"bits": 0}),
     ("qwen3_moe", {"layers": 4, "mixed_bits": "1:8,3:8"}),
     ("qwen3_moe", {"dtype": "bfloat16"}),
     ("qwen3_moe", {"bits": 3, "group_size": 32}),
     ("qwen3_5_moe", {"vlm_layout": True}),
+    ("kimi_k3", {"vlm_layout": True}),
+    ("minimax_m3_vl", {"vlm_layout": True}),
+    ("deepseek_v41", {"bits": 8}),
 ]
+
+
+def skip_unless_runs_here(arch: str) -> None:
+    """Skip, with the reason, a family this mlx-lm or this backend cannot run."""
+    preset = PRESETS[arch]
+    reason = preset.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if preset.metal_only and not mx.metal.is_available():
+        pytest.skip(f"{arch}: stock mlx-lm runs its attention through Metal-only kernels; no Metal here")
 
 
 def _id(case):
@@ -29,6 +45,7 @@ def _id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_streamed_logits_equal_stock(checkpoints, case):
     arch, opts = case
+    skip_unless_runs_here(arch)
     path = checkpoints(arch, **opts)
     stock, streamed, handle = load_pair(path)
     # 48 tokens x top_k >= 64 pairs: stock sorts; more experts than slots: the prefill sweep runs.

@@ -29,7 +29,13 @@ from expert_stream.streaming.synthetic import shards as shards_mod
 from expert_stream.streaming.synthetic import weights as weights_mod
 from expert_stream.streaming.synthetic.errors import SyntheticError
 
-VLM_ARCHS = [a for a in ARCHITECTURES if PRESETS[a].vlm is not None]
+from expert_stream.streaming.synthetic.presets_2026 import PRESETS_2026
+
+# The families of presets_2026.py are held to strict loading, their layout and exact streaming
+# in tests/test_families.py and tests/test_engine_exact.py; the long generations of this file
+# stay on the first set of families (CI time).
+FIRST_ARCHS = [a for a in ARCHITECTURES if a not in {p.name for p in PRESETS_2026}]
+VLM_ARCHS = [a for a in FIRST_ARCHS if PRESETS[a].vlm is not None]
 SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
@@ -78,9 +84,9 @@ def greedy_finite(model, tokenizer, n_tokens: int) -> list[int]:
 
 
 def expert_modules(model):
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+    from expert_stream.streaming.synthetic.structure import routed_expert_modules
 
-    return {p: m for p, m in model.named_modules() if isinstance(m, (SwitchLinear, QuantizedSwitchLinear))}
+    return dict(routed_expert_modules(model))
 
 
 def expert_count(config: dict) -> int:
@@ -104,7 +110,7 @@ def test_architectures_cover_the_required_families():
         assert "laguna" in ARCHITECTURES
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", FIRST_ARCHS)
 def test_loads_strict_and_generates(tiny, arch):
     path = tiny(arch)
     model, tokenizer = load(path)
@@ -128,7 +134,7 @@ def test_loads_strict_and_generates(tiny, arch):
         assert f"{name}.weight" in index["weight_map"]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", FIRST_ARCHS)
 def test_layout_matches_mlx_convert(tiny, arch):
     path = tiny(arch)
     config = json.loads((path / "config.json").read_text())
@@ -482,7 +488,7 @@ def test_bfloat16_generates_finite(tiny, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", FIRST_ARCHS)
 def test_bfloat16_long_generation_finite(tiny, arch):
     model, tokenizer = load(tiny(arch, dtype="bfloat16"))
     greedy_finite(model, tokenizer, 300)

@@ -26,6 +26,10 @@ FAMILIES = (
                    "hunyuan", "jamba", "lfm2_moe", "llama4", "llama4_text", "longcat_flash",
                    "mimo_v2_flash", "step3p5", "Klear"),
      "SwitchGLU / SwitchMLP experts found by type; lookahead off where the router is not a plain gate"),
+    ("moe_2026", ("deepseek_v41", "kimi_k3", "mistral4", "gemma4_text", "minimax_m3_vl", "muse_spark",
+                  "bailing_moe_v3", "bailing_hybrid", "mellum", "phixtral"),
+     "mlx-lm 0.32 families (gemma4_text and phixtral also 0.31); SwitchGLU experts found by type; "
+     "lookahead off where the experts run at a latent width (kimi_k3, muse_spark)"),
 )
 
 BUILTIN_SPECS = tuple(ArchitectureSpec(name=name, model_types=types, notes=notes) for name, types, notes in FAMILIES)

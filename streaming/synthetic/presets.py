@@ -93,6 +93,19 @@ class Preset:
     # Fixes up the text config after the caller's overrides (nemotron_h: the layer count
     # follows an overridden hybrid pattern) or rejects inconsistent overrides.
     finalize: Optional[Callable[[dict], None]] = None
+    # The first mlx-lm that has the family (None: every supported one, 0.31 on).
+    mlx_lm_since: Optional[str] = None
+    # Stock mlx-lm runs the family through Metal-only kernels: no forward pass elsewhere.
+    metal_only: bool = False
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why the installed mlx-lm cannot build this family, or None when it can."""
+        if self.available():
+            return None
+        import mlx_lm
+
+        since = f" (added in mlx-lm {self.mlx_lm_since})" if self.mlx_lm_since else ""
+        return f"{self.name} needs mlx_lm.models.{self.module or self.name}{since}; mlx-lm {mlx_lm.__version__} is installed"
 
     def available(self) -> bool:
         try:
@@ -743,10 +756,16 @@ PRESETS: dict[str, Preset] = {
             min_layers=2,
             vlm=VlmLayout("prefix", vision_prefix=None),
             finalize=_laguna_finalize,
+            mlx_lm_since="0.32",
             notes="mlx-lm >= 0.32 only; router at mlp.gate.proj",
         ),
     ]
 }
+
+# The families of presets_2026.py (the 2026 flagships and the older families added with them).
+from .presets_2026 import PRESETS_2026  # noqa: E402  (it builds on the helpers above)
+
+PRESETS.update({p.name: p for p in PRESETS_2026})
 
 
 def all_architectures() -> tuple[str, ...]:

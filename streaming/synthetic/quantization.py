@@ -14,7 +14,7 @@ from typing import Optional, Union
 import mlx.nn as nn
 
 from .errors import SyntheticError
-from .structure import is_expert_module
+from .structure import routed_expert_modules
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 MXFP4_GROUP_SIZE = 32  # fixed by the format (gpt-oss exports)
@@ -129,9 +129,10 @@ def quantize(model: nn.Module, config: dict, recipe: QuantRecipe, num_layers: in
 
     per_layer = expand_mixed_bits(recipe, num_layers)
     own = getattr(model, "quant_predicate", None)  # e.g. gpt-oss: router at 8 bits
+    routed = {p for p, _ in routed_expert_modules(model)}
 
     def predicate(path, module):
-        if per_layer and is_expert_module(module):
+        if per_layer and path in routed:
             layer = _layer_index(path)
             if layer in per_layer and (recipe.mode != "affine" or per_layer[layer] != recipe.bits):
                 # recorded per path in the config, as mlx-lm's mixed recipes are

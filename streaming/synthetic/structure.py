@@ -35,10 +35,21 @@ def iter_params(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, mx.arra
             yield path, module, name, value
 
 
+def routed_expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(path, module) of the stacked linears inside SwitchGLU / SwitchMLP blocks: the routed
+    experts. A SwitchLinear elsewhere is not one (deepseek_v41's grouped attention output
+    projection `o_a_proj` is a SwitchLinear over o_groups)."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    for path, block in model.named_modules():
+        if isinstance(block, (SwitchGLU, SwitchMLP)):
+            for sub, module in block.named_modules():
+                if is_expert_module(module):
+                    yield f"{path}.{sub}" if path else sub, module
+
+
 def expert_counts(model: nn.Module) -> set[int]:
-    return {
-        m["weight"].shape[0] for _, m in model.named_modules() if is_expert_module(m)
-    }
+    return {m["weight"].shape[0] for _, m in routed_expert_modules(model)}
 
 
 def is_router(path: str, module: nn.Module, name: str, value: mx.array, experts: set[int]) -> bool:
@@ -55,7 +66,7 @@ def expert_param_names(model: nn.Module) -> set[str]:
     """Full names of every tensor that belongs to a routed expert block (weights, scales,
     biases, per-expert bias)."""
     out = set()
-    for path, module, name, _ in iter_params(model):
-        if is_expert_module(module):
-            out.add(f"{path}.{name}" if path else name)
+    for path, module in routed_expert_modules(model):
+        for name, _ in direct_params(module):
+            out.add(f"{path}.{name}")
     return out
