@@ -20,7 +20,7 @@ def load(path, budget_gib=None, **settings):
     checked = dict(settings)
     if budget_gib is not None:
         checked["budget_gib"] = budget_gib
-    engine_keys = {"tokenizer_config", "model_config"}
+    engine_keys = {"tokenizer_config", "model_config", "trust_remote_code"}
     stream_settings = StreamSettings.from_mapping(
         {k: v for k, v in checked.items() if k not in engine_keys}, where=where
     )

@@ -19,6 +19,7 @@ from .checkpoint import CheckpointIndex
 from .errors import CheckpointError, NotMoEError
 from .handle import StreamHandle
 from .reader import ExpertReader
+from .remote_code import refuse_model_file
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
 from .speculation import DecodeSpeculation, install
@@ -54,6 +55,7 @@ def load(
     from mlx_lm.utils import load_model, load_tokenizer
 
     model_path = Path(path).expanduser()
+    refuse_model_file(model_path, settings.pop("trust_remote_code", False))  # before mlx-lm can run it
     if budget_gib is not None:
         settings["budget_gib"] = budget_gib
     stream_settings = StreamSettings.from_mapping(settings, where="expert_stream.load")

@@ -63,6 +63,10 @@ class StreamSettings:
         _check_types(self)
         if not self.budget_gib > 0:
             raise SettingsError(f"budget_gib must be > 0 GiB, got {self.budget_gib!r}")
+        _check_ranges(self)
+        from .policy import POLICIES  # names registered there, plugins' included
+
+        _check_choice("policy", self.policy, tuple(POLICIES))
         if self.prefetch_per_layer < 0:
             raise SettingsError("prefetch_per_layer must be >= 0")
         if self.prefill_step < 1:
@@ -93,7 +97,7 @@ class StreamSettings:
     @classmethod
     def from_mapping(cls, values: dict[str, Any], where: str = "settings") -> "StreamSettings":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(map(str, set(values) - known))
         if unknown:
             raise SettingsError(
                 f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
@@ -107,6 +111,20 @@ class StreamSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops being exact
+# Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
+_RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
+           "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20), "speculate_check_every": (0, 4096),
+           "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
+
+
+def _check_ranges(settings) -> None:
+    for name, (low, high) in _RANGES.items():
+        value = getattr(settings, name)
+        if value is not None and not low <= value <= high:
+            raise SettingsError(f"{name} must be between {low} and {high}, got {value!r}")
 
 
 def _check_choice(name, value, choices):

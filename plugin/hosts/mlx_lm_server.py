@@ -92,7 +92,7 @@ class MlxLmServerHost:
         version = internals.version if internals else self.version()
         return HostSchema(
             name=self.name, version=version,
-            entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path"}),
+            entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path", "trust_remote_code"}),
             id_key="served_model_name", top_level_keys=frozenset({"default_model"}),
         )
 

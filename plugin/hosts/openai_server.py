@@ -40,6 +40,7 @@ from expert_stream.plugin.config import (
     diff,
     load_host_config,
 )
+from expert_stream.plugin.host_schema_check import dataclass_check, section_check
 from expert_stream.plugin.hosts.base import (
     HostError,
     installed_version,
@@ -63,6 +64,9 @@ SERVER_FLAGS = {"--host": "host", "--port": "port", "--log-level": "log_level", 
 # Entry values that make a model serve one request at a time, by host version.
 ONE_AT_A_TIME = {"max_concurrency": 1, "disable_batching": True}
 STATS_TIMEOUT_S = 2.0  # a child busy generating answers the stats call after its request
+# Host entry numbers that become timeouts and queue sizes in the model process.
+ENTRY_BOUNDS = {"queue_timeout": (1, 30 * 86400), "queue_size": (1, 1 << 20), "max_concurrency": (1, 1024),
+                "context_length": (1, 1 << 32)}
 
 
 class OpenAIServerHost:
@@ -147,6 +151,8 @@ class OpenAIServerHost:
             queue_timeout_key="queue_timeout",
             forced_entry_values={k: v for k, v in ONE_AT_A_TIME.items() if k in internals.entry_fields},
             streamed_entry_check=_lm_only,
+            entry_check=dataclass_check(internals.ModelEntryConfig, bounds=ENTRY_BOUNDS),
+            top_level_check=_server_section_check(),
         )
 
     def load_config(self, path, internals=None, **kw) -> HostConfig:
@@ -182,6 +188,13 @@ class OpenAIServerHost:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return 0
+
+
+def _server_section_check():
+    import app.config
+
+    cls = getattr(app.config, "MultiModelServerConfig", None)
+    return section_check("server", cls, skip=frozenset({"models"}), bounds={"port": (0, 65535)}) if cls else None
 
 
 def _lm_only(entry: dict) -> Optional[str]:
