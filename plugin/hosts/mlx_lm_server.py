@@ -267,8 +267,12 @@ class LmServerState:
         watcher = FileWatcher(self.config.path, self.config.options.debounce_seconds)
         while True:
             time.sleep(self.config.options.poll_seconds)
-            if watcher.poll():
-                self.reload("file changed")
+            try:
+                if watcher.poll():
+                    self.reload("file changed")
+            except Exception as exc:  # the watcher outlives any failure: the next edit is applied
+                log.exception("expert-stream: watching %s: %s", self.config.path, exc)
+                self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
     def reload(self, reason: str) -> dict:
         from expert_stream.plugin import plugins
@@ -278,14 +282,17 @@ class LmServerState:
             path = self.config.path
             try:
                 new = self.host.load_config(path, self.internals)
-            except ConfigError as exc:
+            except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 text_hash = file_hash(path)
                 if text_hash == self.record.failed_hash and reason == "file changed":
                     return {"ok": False, "error": self.record.last_error, "repeated": True}
-                self.record.fail(str(exc), text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, exc)
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=str(exc))
-                return {"ok": False, "error": str(exc)}
+                message = str(exc) if isinstance(exc, ConfigError) else \
+                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
+                self.record.fail(message, text_hash)
+                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
+                          exc_info=not isinstance(exc, ConfigError))
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             if new.text_hash == self.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}

@@ -368,8 +368,12 @@ class Reloader:
         watcher = FileWatcher(self.state.config.path, options.debounce_seconds)
         while True:
             await asyncio.sleep(options.poll_seconds)
-            if watcher.poll():
-                await self.reload("file changed")
+            try:
+                if watcher.poll():
+                    await self.reload("file changed")
+            except Exception as exc:  # the watcher outlives any failure: the next edit is applied
+                log.exception("expert-stream: watching %s: %s", self.state.config.path, exc)
+                self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
     # -- reload -----------------------------------------------------------------------------
     async def reload(self, reason: str) -> dict:
@@ -380,22 +384,32 @@ class Reloader:
             try:
                 new = await asyncio.to_thread(load_host_config, path, self.state.schema)
                 _apply_server_flags(new, self.state.server_flags)
-            except ConfigError as exc:
+            except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 from expert_stream.plugin.reload import file_hash
 
                 text_hash = file_hash(path)
                 if text_hash == self.record.failed_hash and reason == "file changed":
                     return {"ok": False, "error": self.record.last_error, "repeated": True}
-                self.record.fail(str(exc), text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, exc)
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=str(exc))
-                return {"ok": False, "error": str(exc)}
+                message = str(exc) if isinstance(exc, ConfigError) else \
+                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
+                self.record.fail(message, text_hash)
+                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
+                          exc_info=not isinstance(exc, ConfigError))
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             if new.text_hash == self.state.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}
             if new.top_level.get("server") != self.state.config.top_level.get("server"):
                 self.record.warnings.append("server: section changed; host and port apply at the next start")
-            applied = await self._apply(new, reason)
+            try:
+                applied = await self._apply(new, reason)
+            except Exception as exc:  # reported, and the next edit is applied as usual
+                message = f"{path}: applying the config failed: {type(exc).__name__}: {exc}"
+                log.exception("expert-stream: reload (%s): %s", reason, message)
+                self.record.fail(message, new.text_hash)
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             return {"ok": True, "applied": applied, "last_reload": self.record.last_reload}
 
     async def apply(self, config: HostConfig, reason: str) -> list:
