@@ -93,10 +93,3 @@ def file_hash(path: Path) -> Optional[str]:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
-
-
-LOOPBACK = {"127.0.0.1", "::1", "localhost", "::ffff:127.0.0.1"}
-
-
-def is_loopback(host: Optional[str]) -> bool:
-    return host in LOOPBACK or (host or "").startswith("127.")

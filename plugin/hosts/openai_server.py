@@ -40,6 +40,7 @@ from expert_stream.plugin.config import (
     diff,
     load_host_config,
 )
+from expert_stream.plugin.endpoint_guard import ControlGuard
 from expert_stream.plugin.host_schema_check import dataclass_check, section_check
 from expert_stream.plugin.hosts.base import (
     HostError,
@@ -47,11 +48,11 @@ from expert_stream.plugin.hosts.base import (
     parameter_names,
     refuse,
 )
+from expert_stream.plugin.redact import redact_errors, redacting
 from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
     ReloadRecord,
-    is_loopback,
 )
 
 log = logging.getLogger("expert_stream")
@@ -120,6 +121,7 @@ class OpenAIServerHost:
         need({"model_cfg_dict", "model_type", "model_path"} <= proxy_params
              and bool({"model_id", "served_model_name"} & proxy_params),
              "HandlerProcessProxy(model_cfg_dict, model_type, model_path, model_id) is missing")
+        need(callable(getattr(proxy, "_raise_remote_error", None)), "HandlerProcessProxy._raise_remote_error is missing")
         for method in ("start", "cleanup", "_call"):
             need(inspect.iscoroutinefunction(getattr(proxy, method, None)), f"HandlerProcessProxy.{method} is missing")
         need("_pending" in _source(getattr(proxy, "__init__", None)), "HandlerProcessProxy._pending is missing")
@@ -249,6 +251,8 @@ def _install(internals, state: ServingState) -> None:
 
     _state = state
     internals.handler_process._handler_worker = child_worker
+    # A model process's error reaches the HTTP client through this one function.
+    internals.Proxy._raise_remote_error = staticmethod(redacting(internals.Proxy._raise_remote_error))
     internals.server.create_multi_lifespan = _make_lifespan
 
 
@@ -293,27 +297,22 @@ def _add_routes(app, reloader: "Reloader") -> None:
     # needed, and would misread the postponed annotations of this module.
     from fastapi.responses import JSONResponse
 
-    def forbidden(request):
-        client = request.client.host if request.client else None
-        if is_loopback(client):
-            return None
-        return JSONResponse({"error": f"{request.url.path} answers loopback clients only"}, status_code=403)
-
+    # Who may call them is ControlGuard's check, outside the host's CORS middleware.
     async def status(request):
-        return forbidden(request) or JSONResponse(await reloader.status())
+        return JSONResponse(redact_errors(await reloader.status()))
 
     async def reload(request):
-        refused = forbidden(request)
-        if refused:
-            return refused
         if not reloader.state.config.options.reload_endpoint:
             return JSONResponse({"error": "the reload endpoint is off (expert_stream.reload_endpoint: false)"},
                                 status_code=403)
         result = await reloader.reload("endpoint")
-        return JSONResponse(result, status_code=200 if result["ok"] else 422)
+        return JSONResponse(redact_errors(result), status_code=200 if result["ok"] else 422)
 
     app.add_route(STATUS_PATH, status, methods=["GET"])
     app.add_route(RELOAD_PATH, reload, methods=["POST"])
+    bind_host = (reloader.state.config.top_level.get("server") or {}).get("host")
+    app.middleware_stack = ControlGuard(app.middleware_stack or app.build_middleware_stack(),
+                                        (STATUS_PATH, RELOAD_PATH), bind_host)
 
 
 class _Reloading:
