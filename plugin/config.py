@@ -386,6 +386,14 @@ def admit(config: HostConfig, memory_bytes: Optional[int] = None) -> None:
         used += need
 
 
+def room_for_both(config: HostConfig, old: ModelEntry, memory_bytes: Optional[int] = None) -> bool:
+    """Whether `old` (an entry of the applied config) can stay loaded while all of `config`
+    is: then a changed entry loads its new model before the old one is unloaded."""
+    headroom = int(config.options.headroom_gib * GIB)
+    used = sum(e.resident_bytes + headroom for e in config.entries)
+    return used + old.resident_bytes + headroom <= memory_limit(config.options, memory_bytes)
+
+
 def diff(old: Optional[HostConfig], new: HostConfig) -> tuple[list[str], list[str], list[str]]:
     """(removed, changed, added) served ids, each in file order."""
     before = old.by_id() if old else {}

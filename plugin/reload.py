@@ -52,6 +52,7 @@ class ModelState:
     loaded_at: Optional[float] = None
     load_seconds: Optional[float] = None
     stats: Optional[dict] = None  # last cache stats the serving process reported
+    restarts: int = 0  # times its process died and was started again (openai host)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}

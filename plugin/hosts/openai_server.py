@@ -39,6 +39,7 @@ from expert_stream.plugin.config import (
     HostSchema,
     diff,
     load_host_config,
+    room_for_both,
 )
 from expert_stream.plugin.endpoint_guard import ControlGuard
 from expert_stream.plugin.host_schema_check import dataclass_check, section_check
@@ -49,6 +50,8 @@ from expert_stream.plugin.hosts.base import (
     refuse,
 )
 from expert_stream.plugin.redact import redact_errors, redacting
+from expert_stream.plugin.request_queue import WaitingHandler
+from expert_stream.plugin.supervision import ProcessSupervisor, fail_pending
 from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
@@ -276,7 +279,7 @@ def _make_lifespan(multi_config):
         if registry.has_model(first):
             app.state.handler = registry.get_handler(first)
         _add_routes(app, reloader)
-        tasks = []
+        tasks = [asyncio.create_task(reloader.supervisor.run())]
         if state.config.options.watch:
             tasks.append(asyncio.create_task(reloader.watch()))
         loop = asyncio.get_running_loop()
@@ -315,39 +318,6 @@ def _add_routes(app, reloader: "Reloader") -> None:
                                         (STATUS_PATH, RELOAD_PATH), bind_host)
 
 
-class _Reloading:
-    """Stands in the registry while a changed model reloads: requests get a clear 503."""
-
-    def __init__(self, model_id: str, model_path: str, handler_type: str):
-        self.model_id = model_id
-        self.model_path = model_path
-        self.handler_type = handler_type
-        self.model_created = int(time.time())
-
-    def _refuse(self):
-        from fastapi import HTTPException
-
-        raise HTTPException(status_code=503, detail={"error": {
-            "message": f"model {self.model_id!r} is reloading after a config change; retry shortly",
-            "type": "model_reloading", "code": 503}})
-
-    async def generate_text_response(self, request):
-        self._refuse()
-
-    async def generate_text_stream(self, request):
-        self._refuse()
-        yield None
-
-    async def get_models(self):
-        return []
-
-    async def get_queue_stats(self):
-        return {}
-
-    async def cleanup(self):
-        return None
-
-
 class Reloader:
     """Applies configs to the running host: the first one at start, then every valid edit."""
 
@@ -356,7 +326,10 @@ class Reloader:
         self.registry = registry
         self.record = state.record
         self.lock = asyncio.Lock()
-        self.proxies: dict = {}  # model_id -> HandlerProcessProxy (or None while loading)
+        self.proxies: dict = {}  # model_id -> HandlerProcessProxy of a routed, running model
+        self.entries: dict = {}  # model_id -> the ModelEntry its process was started with
+        self._holds: dict = {}  # model_id -> WaitingHandler routed while it is not there
+        self.supervisor = ProcessSupervisor(self)
 
     # -- triggers ---------------------------------------------------------------------------
     def trigger(self, reason: str = "signal") -> None:
@@ -422,6 +395,7 @@ class Reloader:
         removed, changed, added = diff(old, new)
         t0 = time.perf_counter()
         self.record.reloading = True
+        self.record.last_error = self.record.failed_hash = None  # a model failing to load sets it again
         applied, cut_off = [], 0
         try:
             for model_id in removed:
@@ -429,8 +403,11 @@ class Reloader:
                 self.record.models.pop(model_id, None)
                 applied.append(("removed", model_id))
             for model_id in changed:
-                cut_off += await self._unload(model_id, placeholder=True)
-                await self._load(new.by_id()[model_id])
+                if model_id in self.proxies and room_for_both(new, old.by_id()[model_id]):
+                    cut_off += await self._replace(new.by_id()[model_id])
+                else:  # its requests wait for the new model meanwhile
+                    cut_off += await self._unload(model_id, placeholder=True)
+                    await self._load(new.by_id()[model_id])
                 applied.append(("changed", model_id))
             for model_id in added:
                 await self._load(new.by_id()[model_id], fail_hard=(reason == "start"))
@@ -440,8 +417,6 @@ class Reloader:
         self.state.config = new
         self.record.applied_hash = new.text_hash
         self.record.applied_at = time.time()
-        self.record.last_error = None
-        self.record.failed_hash = None
         if reason != "start":
             self.record.reloads += 1
         self.record.last_reload = {"reason": reason, "removed": removed, "changed": changed, "added": added,
@@ -451,9 +426,57 @@ class Reloader:
         return applied
 
     async def _load(self, entry, fail_hard: bool = False) -> None:
+        proxy = await self._start(entry, fail_hard)
+        if proxy is not None:
+            await self._route(entry.model_id, proxy, entry.host_entry.get("model_type", "lm"),
+                              entry.host_entry.get("context_length"))
+            self.proxies[entry.model_id] = proxy
+
+    async def _replace(self, entry) -> int:
+        """Make before break: the new process loads beside the old one, which serves until
+        the switch; if the new one fails to load, the old one keeps serving."""
+        model_id = entry.model_id
+        old_state = self.record.models.get(model_id)
+        proxy = await self._start(entry)
+        if proxy is None:
+            if old_state is not None:
+                failed, self.record.models[model_id] = self.record.models[model_id], old_state
+                old_state.error = f"the changed entry failed to load, still serving the previous one: {failed.error}"
+            return 0
+        old = self.proxies.pop(model_id)
+        await self._route(model_id, proxy, entry.host_entry.get("model_type", "lm"),
+                          entry.host_entry.get("context_length"))
+        self.proxies[model_id] = proxy
+        cut_off = await _drain(old, model_id, self.state.config.options.drain_timeout_s)
+        await old.cleanup()
+        return cut_off
+
+    def hold(self, model_id: str):
+        """Route the model's requests to a WaitingHandler until something else is routed."""
+        entry = self.entries.get(model_id)
+        host_entry = entry.host_entry if entry else {}
+        model_type = host_entry.get("model_type", "lm")
+        handler_type = getattr(self.state.internals.Proxy, "_MODEL_TYPE_TO_HANDLER_TYPE", {}).get(model_type, model_type)
+        waiting = WaitingHandler(model_id, entry.model_path if entry else "", handler_type, self.state.internals.Proxy,
+                                 timeout=host_entry.get("queue_timeout", 300),
+                                 max_waiting=host_entry.get("queue_size", 100))
+        if model_id in self.registry._metadata:
+            self.registry._handlers[model_id] = waiting
+        previous = self._holds.get(model_id)
+        self._holds[model_id] = waiting
+        if previous is not None:
+            previous.resolve(waiting)  # who waited there waits on, here
+        return waiting
+
+    async def _start(self, entry, fail_hard: bool = False):
+        """Spawn the entry's model process and wait until it is ready; None if it failed."""
         internals = self.state.internals
         cfg = internals.ModelEntryConfig(**entry.host_entry)
+        previous = self.record.models.get(entry.model_id)
+        restarting = previous is not None and previous.state == "restarting"  # the supervisor's restart
         model_state = ModelState(entry.model_id, entry.model_path, entry.streamed,
+                                 state="restarting" if restarting else "loading",
+                                 restarts=previous.restarts if restarting else 0,
                                  settings=entry.settings.to_dict() if entry.streamed else None)
         self.record.models[entry.model_id] = model_state
         kwargs = {"model_cfg_dict": dataclasses.asdict(cfg), "model_type": cfg.model_type,
@@ -471,35 +494,43 @@ class Reloader:
         except Exception as exc:
             model_state.state, model_state.error = "error", str(exc)
             self.record.fail(f"{entry.model_id}: {exc}", None)
+            held = self._holds.get(entry.model_id)
+            if held is not None:
+                held.fail(f"failed to load after a config change: {exc}")
             await proxy.cleanup()
             if fail_hard:
                 raise
-            return
-        await self._route(entry.model_id, proxy, cfg.model_type, cfg.context_length)
-        self.proxies[entry.model_id] = proxy
+            return None
+        self.entries[entry.model_id] = entry
         model_state.state = "ready"
         model_state.loaded_at = time.time()
         model_state.load_seconds = round(time.perf_counter() - t0, 2)
+        return proxy
 
     async def _route(self, model_id, handler, model_type, context_length) -> None:
-        async with self.registry._lock:
-            self.registry._handlers.pop(model_id, None)
-            self.registry._metadata.pop(model_id, None)
-        await self.registry.register_model(model_id=model_id, handler=handler, model_type=model_type,
-                                           context_length=context_length)
+        """Route the model's requests to `handler`: an atomic swap for a routed id."""
+        held = self._holds.pop(model_id, None)
+        if model_id in self.registry._metadata:
+            self.registry._handlers[model_id] = handler
+        else:
+            await self.registry.register_model(model_id=model_id, handler=handler, model_type=model_type,
+                                               context_length=context_length)
+        if held is not None:
+            held.resolve(handler)
 
     async def _unload(self, model_id: str, placeholder: bool) -> int:
         """Stop routing to the model, let its in-flight requests finish (up to the drain
         timeout, then cut them off with an error), then stop its process."""
         proxy = self.proxies.pop(model_id, None)
-        async with self.registry._lock:
-            metadata = self.registry._metadata.get(model_id)
-            if placeholder and metadata is not None:
-                self.registry._handlers[model_id] = _Reloading(
-                    model_id, getattr(proxy, "model_path", ""), getattr(proxy, "handler_type", "lm"))
-            else:
-                self.registry._handlers.pop(model_id, None)
-                self.registry._metadata.pop(model_id, None)
+        if placeholder:
+            self.hold(model_id)
+        else:
+            self.registry._handlers.pop(model_id, None)
+            self.registry._metadata.pop(model_id, None)
+            self.entries.pop(model_id, None)
+            held = self._holds.pop(model_id, None)
+            if held is not None:
+                held.fail("was removed from the config")
         if proxy is None:
             return 0
         model_state = self.record.models.get(model_id)
@@ -511,6 +542,7 @@ class Reloader:
 
     # -- status -----------------------------------------------------------------------------
     async def status(self) -> dict:
+        self.supervisor.notice_deaths()  # never report a dead process as ready
         for model_id, proxy in list(self.proxies.items()):
             model_state = self.record.models.get(model_id)
             if not model_state or not model_state.streamed or model_state.state != "ready":
@@ -527,27 +559,13 @@ async def _drain(proxy, model_id: str, timeout: float) -> int:
     """Wait for the proxy's in-flight requests; past the timeout, answer each with an error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
-        busy = [rid for rid in list(proxy._pending) if rid != "__ready__"]
-        if not busy or loop.time() >= deadline:
-            break
+    while any(rid != "__ready__" for rid in list(proxy._pending)) and loop.time() < deadline:
         await asyncio.sleep(0.1)
-    for rid in busy:
-        queue = proxy._pending.get(rid)
-        if queue is None:
-            continue
-        message = {"id": rid, "type": "error", "status_code": 503, "error_type": "ModelUnloaded",
-                   "message": f"model {model_id!r} was unloaded by a config reload after waiting {timeout:.0f} s "
-                              "for this request; send it again"}
-        while True:
-            try:
-                queue.put_nowait(message)
-                break
-            except asyncio.QueueFull:
-                queue.get_nowait()
-    if busy:
-        log.warning("expert-stream: %s: cut off %d request(s) after the %.0f s drain timeout", model_id, len(busy), timeout)
-    return len(busy)
+    cut_off = fail_pending(proxy, f"model {model_id!r} was unloaded by a config reload after waiting {timeout:.0f} s "
+                                  "for this request; send it again", "ModelUnloaded")
+    if cut_off:
+        log.warning("expert-stream: %s: cut off %d request(s) after the %.0f s drain timeout", model_id, cut_off, timeout)
+    return cut_off
 
 
 MLX_OPENAI_SERVER = OpenAIServerHost()
