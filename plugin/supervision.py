@@ -59,6 +59,11 @@ class ProcessSupervisor:
             except Exception:  # the supervisor outlives its own failures
                 log.exception("expert-stream: checking the model processes failed")
 
+    def stop(self) -> None:
+        """The server is stopping: no restart may start a process after the cleanup."""
+        for task in self._restarting.values():
+            task.cancel()
+
     def notice_deaths(self) -> list[str]:
         """The synchronous part (no await: nothing can route to the dead process meanwhile):
         take each dead process out of routing, fail its requests, schedule the restart."""

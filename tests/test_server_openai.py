@@ -233,6 +233,10 @@ def test_failed_reloads_are_reported_and_requests_during_a_reload_wait(server, m
     """Issue: `budget_gib: 1e+300` killed the watch task silently (later edits never applied,
     POST reload 500), and 41 of 150 requests sent during one reload got 503."""
     host, path, port = server
+    # The drain timeout in force is the applied config's: back to 300 s (no model changes).
+    path.write_text(config_text(models, port, [("moe", "moe", _status(host)["models"]["moe"]["settings"]["budget_gib"])]))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST", timeout=300)
+    assert code == 200 and not body.get("applied"), body
     path.write_text(config_text(models, port, [("moe", "moe", None)]).replace(
         "served_model_name: moe\n", "served_model_name: moe\n    expert_stream: {budget_gib: 1e+300}\n"))
     status = wait_for(lambda: (s := _status(host))["last_error"] and s, timeout=60, what="the error in status")

@@ -290,6 +290,7 @@ def _make_lifespan(multi_config):
         yield
         for task in tasks:
             task.cancel()
+        reloader.supervisor.stop()
         await registry.cleanup_all()
 
     return lifespan
