@@ -63,10 +63,6 @@ class StreamSettings:
         _check_types(self)
         if not self.budget_gib > 0:
             raise SettingsError(f"budget_gib must be > 0 GiB, got {self.budget_gib!r}")
-        _check_ranges(self)
-        from .policy import POLICIES  # names registered there, plugins' included
-
-        _check_choice("policy", self.policy, tuple(POLICIES))
         if self.prefetch_per_layer < 0:
             raise SettingsError("prefetch_per_layer must be >= 0")
         if self.prefill_step < 1:
@@ -82,6 +78,10 @@ class StreamSettings:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:
             raise SettingsError("skip_miss_below must be in [0, 1)")
+        _check_ranges(self)  # after the checks above, whose messages say more
+        from .policy import POLICIES  # names registered there, plugins' included
+
+        _check_choice("policy", self.policy, tuple(POLICIES))
         if self.warm_start is not None and not Path(self.warm_start).expanduser().is_file():
             raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
 

@@ -18,7 +18,7 @@ from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
 from plugin_fixtures import make_dense, make_moe
 
 SEED = 1414
-CASES = 300
+CASES = 250
 GIB = 1 << 30
 
 HOSTILE = [None, True, False, 0, -1, 1, 3, 2 ** 70, -(2 ** 70), 10 ** 400, 1e300, -1e300, float("inf"),

@@ -47,7 +47,7 @@ def write(tmp_path, moe, options="", settings="budget_gib: 0.001", entry=""):
     ("budget_gib: .nan", "budget_gib must be > 0"),
     ("budget_gib: 0.001, policy: bogus", "policy must be one of lru,"),
     ("budget_gib: 0.001, reader_threads: 100000", "reader_threads must be between 1 and 256"),
-    ("budget_gib: 0.001, reader_threads: 0", "reader_threads must be between 1 and 256"),
+    ("budget_gib: 0.001, reader_threads: 0", "reader_threads must be >= 1"),
     ("budget_gib: 0.001, mlx_cache_limit_gib: .inf", "mlx_cache_limit_gib must be between"),
     ("budget_gib: 0.001, mlx_cache_limit_gib: -1", "mlx_cache_limit_gib must be between"),
     ("budget_gib: 0.001, top_k_override: 50", "top_k_override: 50 is more than the 2 experts per token"),
