@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pipeline_group=None, **settings):
+def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pipeline_group=None,
+         trust_remote_code=False, **settings):
     """Load an MoE checkpoint with its routed experts streamed from disk.
 
     Returns (model, tokenizer, handle); see `expert_stream.streaming.loader.load`. The
@@ -13,7 +14,8 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
     plugins); `detect_moe` plugins decide whether it is an MoE checkpoint, and
     `validate_settings` plugins may refuse the settings, before anything loads.
     `pipeline_group` (an mlx.distributed group): this process is one rank of mlx-lm's pipeline
-    and streams only its own layers.
+    and streams only its own layers. `trust_remote_code`: allow a `model_file` of the checkpoint
+    to run (refused otherwise).
     """
     from expert_stream.plugin import plugins
     from expert_stream.streaming import loader
@@ -39,6 +41,7 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
         path, stream_settings, architectures=plugins.architectures(pm),
         tokenizer_config=tokenizer_config, model_config=model_config,
         index=index if pipeline_group is None else None, pipeline_group=pipeline_group,
+        trust_remote_code=trust_remote_code,
     )
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from expert_stream.plugin import yaml_limits
 from expert_stream.streaming.errors import ExpertStreamError
 from expert_stream.streaming.settings import GIB, StreamSettings
 
@@ -51,6 +52,12 @@ class PluginOptions:
     defaults: dict = field(default_factory=dict)
 
 
+# Finite bounds of the numeric options (NaN and .inf fall outside): a poll of 0, -1 or NaN
+# seconds spins a core, a huge headroom overflows the byte count.
+OPTION_RANGES = {"poll_seconds": (0.05, 3600), "debounce_seconds": (0, 3600), "drain_timeout_s": (0, 7 * 86400),
+                 "queue_timeout": (1, 30 * 86400), "memory_gib": (0.001, 1 << 20), "headroom_gib": (0, 1 << 20)}
+
+
 @dataclass(frozen=True)
 class HostSchema:
     """What the config parser must know about a host: its name and version (for messages), the
@@ -66,6 +73,8 @@ class HostSchema:
     forced_entry_values: dict = field(default_factory=dict)
     top_level_keys: Optional[frozenset] = None  # None: any (the host ignores unknown top-level keys)
     streamed_entry_check: Optional[Callable[[dict], Optional[str]]] = None  # entry -> why it cannot stream
+    entry_check: Optional[Callable[[dict], Optional[str]]] = None  # entry -> what the host's own schema refuses
+    top_level_check: Optional[Callable[[dict], Optional[str]]] = None  # top level -> what the host refuses
 
 
 @dataclass
@@ -123,9 +132,11 @@ def read_yaml(path: Path) -> tuple[dict, str]:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
     try:
-        doc = yaml.safe_load(raw)
+        doc = yaml_limits.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except yaml_limits.YamlLimitError as exc:
+        raise ConfigError(f"{path}: refused: {exc}; a host config is a few levels of plain keys") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: the config must be a YAML mapping with a `models:` list")
     return doc, hashlib.sha256(raw).hexdigest()
@@ -140,17 +151,30 @@ def parse_options(path: Path, block: Any) -> PluginOptions:
     if not isinstance(block, dict):
         raise ConfigError(f"{where}: must be a mapping (enabled, watch, defaults, ...), got {block!r}")
     fields = {f.name: f for f in dataclasses.fields(PluginOptions)}
-    unknown = sorted(set(block) - set(fields))
+    unknown = sorted(map(str, set(block) - set(fields)))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    block = dict(block)
     for name, value in block.items():
+        if isinstance(value, str) and "float" in str(fields[name].type):
+            block[name] = value = _number(value)  # PyYAML reads `1e3` (no dot) as a string
         _check_type(where, name, value, fields[name].type)
+        low, high = OPTION_RANGES.get(name, (None, None))
+        if low is not None and value is not None and not low <= value <= high:
+            raise ConfigError(f"{where}.{name}: must be between {low} and {high}, got {value!r}")
     if "defaults" in block:
-        unknown = sorted(set(block["defaults"]) - {f.name for f in dataclasses.fields(StreamSettings)})
+        unknown = sorted(map(str, set(block["defaults"]) - {f.name for f in dataclasses.fields(StreamSettings)}))
         if unknown:
             raise ConfigError(f"{where}.defaults: unknown setting(s) {', '.join(unknown)}; known: "
                               + ", ".join(f.name for f in dataclasses.fields(StreamSettings)))
     return PluginOptions(**block)
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _check_type(where: str, name: str, value: Any, annotation: str) -> None:
@@ -171,10 +195,13 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
     options = parse_options(path, doc.get(KEY))
     top_level = {k: v for k, v in doc.items() if k not in (KEY, "models")}
     if schema.top_level_keys is not None:
-        unknown = sorted(set(top_level) - schema.top_level_keys)
+        unknown = sorted(map(str, set(top_level) - schema.top_level_keys))
         if unknown:
             raise ConfigError(f"{path}: unknown top-level key(s) {', '.join(unknown)} for {schema.name}; "
                               f"known: {', '.join(sorted(schema.top_level_keys | {KEY, 'models'}))}")
+    problem = schema.top_level_check(top_level) if schema.top_level_check else None
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     models = doc.get("models")
     if not isinstance(models, list) or not models:
         raise ConfigError(f"{path}: `models:` must be a non-empty list of model entries")
@@ -209,7 +236,7 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
         raise ConfigError(f"{where}: {ids[0]} must be a non-empty string")
     where = f"{where} ({model_id})"
     allowed = schema.entry_keys - set(schema.id_aliases)
-    unknown = sorted(set(host_entry) - allowed)
+    unknown = sorted(map(str, set(host_entry) - allowed))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} for {schema.name} {schema.version}; "
                           f"known: {', '.join(sorted(allowed | {schema.id_key, KEY}))}")
@@ -233,6 +260,9 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
             host_entry[key] = value
     elif block is not None and not options.enabled:
         log.warning("%s: %s.enabled is false: this model loads stock, all of it in memory", where, KEY)
+    problem = schema.entry_check(host_entry) if schema.entry_check else None
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
     entry = ModelEntry(i, model_id, raw["model_path"], host_entry, settings, 0)
     if check_models:
         _check_model(where, entry)
@@ -261,6 +291,7 @@ def _check_model(where: str, entry: ModelEntry) -> None:
     from expert_stream.plugin import plugins
     from expert_stream.streaming.checkpoint import CheckpointIndex
     from expert_stream.streaming.errors import SettingsError
+    from expert_stream.streaming.remote_code import refuse_model_file
 
     model_dir = Path(entry.model_path).expanduser()
     if not entry.streamed:
@@ -274,6 +305,7 @@ def _check_model(where: str, entry: ModelEntry) -> None:
         raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder; a streamed model "
                           "must be a local MLX checkpoint (download it first)")
     try:
+        refuse_model_file(model_dir, entry.host_entry.get("trust_remote_code") is True)  # before the footprint builds it
         index = CheckpointIndex(model_dir)
     except ExpertStreamError as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -288,6 +320,10 @@ def _check_model(where: str, entry: ModelEntry) -> None:
         raise ConfigError(f"{where}.{KEY}.budget_gib: {entry.settings.budget_gib} GiB cannot hold one token's "
                           f"experts ({fp.top_k} per layer in {len(fp.layer_expert_bytes)} MoE layers); the "
                           f"smallest budget is {fp.min_budget_gib:.4f} GiB")
+    top_k = entry.settings.top_k_override
+    if top_k is not None and fp.top_k and top_k > fp.top_k:
+        raise ConfigError(f"{where}.{KEY}.top_k_override: {top_k} is more than the {fp.top_k} experts per token "
+                          f"that {model_dir}/config.json routes to; the override can only lower it")
     try:
         pm.hook.validate_settings(settings=entry.settings, model_path=str(model_dir), where=f"{where}.{KEY}")
     except SettingsError as exc:
@@ -348,6 +384,14 @@ def admit(config: HostConfig, memory_bytes: Optional[int] = None) -> None:
                 f"before it take {used / GIB:.2f} GiB of {limit / GIB:.2f} GiB; {hint}"
             )
         used += need
+
+
+def room_for_both(config: HostConfig, old: ModelEntry, memory_bytes: Optional[int] = None) -> bool:
+    """Whether `old` (an entry of the applied config) can stay loaded while all of `config`
+    is: then a changed entry loads its new model before the old one is unloaded."""
+    headroom = int(config.options.headroom_gib * GIB)
+    used = sum(e.resident_bytes + headroom for e in config.entries)
+    return used + old.resident_bytes + headroom <= memory_limit(config.options, memory_bytes)
 
 
 def diff(old: Optional[HostConfig], new: HostConfig) -> tuple[list[str], list[str], list[str]]:

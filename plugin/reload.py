@@ -52,6 +52,7 @@ class ModelState:
     loaded_at: Optional[float] = None
     load_seconds: Optional[float] = None
     stats: Optional[dict] = None  # last cache stats the serving process reported
+    restarts: int = 0  # times its process died and was started again (openai host)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -93,10 +94,3 @@ def file_hash(path: Path) -> Optional[str]:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
-
-
-LOOPBACK = {"127.0.0.1", "::1", "localhost", "::ffff:127.0.0.1"}
-
-
-def is_loopback(host: Optional[str]) -> bool:
-    return host in LOOPBACK or (host or "").startswith("127.")

@@ -19,6 +19,7 @@ from .checkpoint import CheckpointIndex, NeededTensors
 from .errors import CheckpointError, NotMoEError, SettingsError
 from .handle import StreamHandle
 from .reader import ExpertReader
+from .remote_code import refuse_model_file
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
 from .speculation import DecodeSpeculation, install
@@ -44,6 +45,7 @@ def load(
     architectures: list[ArchitectureSpec] | None = None,
     tokenizer_config: dict | None = None,
     model_config: dict | None = None,
+    trust_remote_code: bool = False,
     **settings: Any,
 ):
     """Load an MLX MoE checkpoint with its routed experts streamed from disk.
@@ -57,6 +59,7 @@ def load(
     return load_streamed(
         path, StreamSettings.from_mapping(settings, where="expert_stream.load"),
         architectures=architectures, tokenizer_config=tokenizer_config, model_config=model_config,
+        trust_remote_code=trust_remote_code,
     )
 
 
@@ -69,6 +72,7 @@ def load_streamed(
     model_config: dict | None = None,
     index: CheckpointIndex | None = None,
     pipeline_group=None,
+    trust_remote_code: bool = False,
 ):
     """`load` with its settings parsed (and its checkpoint indexed, when `index` is given).
     With `pipeline_group` (mlx.distributed), this process keeps and streams only the layers
@@ -76,6 +80,7 @@ def load_streamed(
     from mlx_lm.utils import load_model, load_tokenizer
 
     model_path = Path(path).expanduser()
+    refuse_model_file(model_path, trust_remote_code)  # before mlx-lm can run it
     if pipeline_group is not None:
         model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config)
         index, settings = pipeline(model, model_path, settings, pipeline_group)

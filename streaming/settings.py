@@ -97,6 +97,10 @@ class StreamSettings:
                 "speculate: true cannot go with skip_miss_below (skipping a miss needs the layer-by-layer "
                 "path); leave speculate unset or false"
             )
+        _check_ranges(self)  # after the checks above, whose messages say more
+        from .policy import POLICIES  # names registered there, plugins' included
+
+        _check_choice("policy", self.policy, tuple(POLICIES))
         if self.warm_start is not None and not Path(self.warm_start).expanduser().is_file():
             raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
 
@@ -117,7 +121,7 @@ class StreamSettings:
     @classmethod
     def from_mapping(cls, values: dict[str, Any], where: str = "settings") -> "StreamSettings":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(map(str, set(values) - known))
         if unknown:
             raise SettingsError(
                 f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
@@ -131,6 +135,20 @@ class StreamSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops being exact
+# Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
+_RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
+           "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20), "speculate_check_every": (0, 4096),
+           "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
+
+
+def _check_ranges(settings) -> None:
+    for name, (low, high) in _RANGES.items():
+        value = getattr(settings, name)
+        if value is not None and not low <= value <= high:
+            raise SettingsError(f"{name} must be between {low} and {high}, got {value!r}")
 
 
 def _check_choice(name, value, choices):

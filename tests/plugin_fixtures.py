@@ -84,6 +84,29 @@ def http_json(url: str, payload: dict | None = None, method: str | None = None, 
             return exc.code, {"raw": body.decode(errors="replace")}
 
 
+def http_status(url: str, headers: dict | None = None, method: str = "GET") -> tuple:
+    """(status, lower-case response headers) of a request with the given headers."""
+    request = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}
+
+
+def control_endpoint_refusals(base: str, port: int) -> None:
+    """Assert what issue 14 item 7 asks of a running host's control endpoints."""
+    status_url = base + "/expert-stream/status"
+    assert http_status(status_url)[0] == 200
+    assert http_status(status_url, {"X-Forwarded-For": "localhost"})[0] == 403
+    assert http_status(status_url, {"Host": f"evil.example:{port}"})[0] == 403  # DNS rebinding
+    for method, url in (("GET", status_url), ("POST", base + "/expert-stream/reload"),
+                        ("OPTIONS", base + "/expert-stream/reload")):
+        code, headers = http_status(url, {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+                                    method)
+        assert code == 403 and "access-control-allow-origin" not in headers, (method, code, headers)
+
+
 def chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 12) -> tuple[int, dict]:
     return http_json(base + "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": prompt}],

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, chat, chat_text, expert_stream_argv, free_port, http_json, make_moe,
-    stock_greedy, wait_for,
+    ENGINE_SETTINGS, HostProcess, chat, chat_text, control_endpoint_refusals, expert_stream_argv, free_port,
+    http_json, make_moe, stock_greedy, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -37,7 +37,7 @@ def server(tmp_path_factory):
                        f"http://127.0.0.1:{port}", work / "server.log", work)
     try:
         host.wait_ready("/health")
-        yield host, path, moe
+        yield host, path, moe, port
     finally:
         host.stop()
 
@@ -47,7 +47,7 @@ def slots(status, model="moe"):
 
 
 def test_streamed_model_answers_like_stock(server):
-    host, _, moe = server
+    host, _, moe, _ = server
     assert chat_text(host.base, "moe", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)
     status = http_json(host.base + "/expert-stream/status")[1]
     assert status["models"]["moe"]["state"] == "loaded" and slots(status) == 3
@@ -55,7 +55,7 @@ def test_streamed_model_answers_like_stock(server):
 
 
 def test_budget_change_reloads_at_the_next_request(server):
-    host, path, moe = server
+    host, path, moe, _ = server
     path.write_text(models_yaml(moe, [("moe", 0.0001)]))
     status = wait_for(lambda: (s := http_json(host.base + "/expert-stream/status")[1])["reloads"] >= 1 and s,
                       timeout=60, what="the watcher to apply the edit")
@@ -67,7 +67,7 @@ def test_budget_change_reloads_at_the_next_request(server):
 
 
 def test_alias_added_then_removed(server):
-    host, path, moe = server
+    host, path, moe, _ = server
     path.write_text(models_yaml(moe, [("moe", 0.0001), ("other", 0.00005)]).replace(
         f"  - model_path: {moe}\n    served_model_name: other", f"  - model_path: {moe}/.\n    served_model_name: other"))
     code, body = http_json(host.base + "/expert-stream/reload", method="POST")
@@ -78,3 +78,8 @@ def test_alias_added_then_removed(server):
     assert code == 200 and body["last_reload"]["removed"] == ["moe"] and body["last_reload"]["added"] == ["renamed"]
     assert chat_text(host.base, "renamed", PROMPT, 8) == stock_greedy(moe, PROMPT, 8)
     assert chat(host.base, "moe", PROMPT, 4)[0] != 200
+
+
+def test_control_endpoints_trust_the_socket_peer_only(server):
+    host, _, _, port = server
+    control_endpoint_refusals(host.base, port)

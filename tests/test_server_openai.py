@@ -13,8 +13,8 @@ import time
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, chat, chat_text, expert_stream_argv, free_port, http_json, make_dense,
-    make_moe, stock_greedy, stream_chat, wait_for,
+    ENGINE_SETTINGS, HostProcess, chat, chat_text, control_endpoint_refusals, expert_stream_argv, free_port,
+    http_json, make_dense, make_moe, stock_greedy, stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -194,3 +194,105 @@ def test_serve_refuses_an_invalid_file_before_starting(tmp_path, capsys):
     path.write_text("models: [{model_path: /nowhere, expert_stream: {budget_gib: 1}}]\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "models[0] (/nowhere): model_path /nowhere is not a folder" in capsys.readouterr().err
+
+
+# -- issue 14: serving never stops silently, local security (same server, later state) --------
+
+def test_control_endpoints_trust_the_socket_peer_only(server):
+    host, _, port = server
+    control_endpoint_refusals(host.base, port)
+
+
+def _status(host):
+    return http_json(host.base + "/expert-stream/status")[1]
+
+
+def _requests_during_reload(host, path, text, count=30, clients=5):
+    """Send `count` short chat requests from `clients` threads while a reload applies `text`."""
+    codes, lock = [], threading.Lock()
+
+    def client(n):
+        for _ in range(n):
+            code = chat(host.base, "moe", PROMPT, 2)[0]
+            with lock:
+                codes.append(code)
+
+    threads = [threading.Thread(target=client, args=(count // clients,)) for _ in range(clients)]
+    path.write_text(text)
+    reload = threading.Thread(target=lambda: http_json(host.base + "/expert-stream/reload", method="POST", timeout=900))
+    reload.start()
+    time.sleep(0.5)  # the reload has started
+    for t in threads:
+        t.start()
+    for t in threads + [reload]:
+        t.join(900)
+    return {c: codes.count(c) for c in set(codes)}
+
+
+def test_failed_reloads_are_reported_and_requests_during_a_reload_wait(server, models):
+    """Issue: `budget_gib: 1e+300` killed the watch task silently (later edits never applied,
+    POST reload 500), and 41 of 150 requests sent during one reload got 503."""
+    host, path, port = server
+    # The drain timeout in force is the applied config's: back to 300 s (no model changes).
+    path.write_text(config_text(models, port, [("moe", "moe", _status(host)["models"]["moe"]["settings"]["budget_gib"])]))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST", timeout=300)
+    assert code == 200 and not body.get("applied"), body
+    path.write_text(config_text(models, port, [("moe", "moe", None)]).replace(
+        "served_model_name: moe\n", "served_model_name: moe\n    expert_stream: {budget_gib: 1e+300}\n"))
+    status = wait_for(lambda: (s := _status(host))["last_error"] and s, timeout=60, what="the error in status")
+    assert "models[0] (moe).expert_stream: budget_gib must be between 0 and" in status["last_error"]
+    assert str(path.parent) not in status["last_error"] and "host.yaml" in status["last_error"]  # no absolute path
+    assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 422
+    # The next edit is applied (the watcher and the endpoint race for it; one applies it). Room
+    # for both: the new model loads beside the old one, which serves until the switch.
+    codes = _requests_during_reload(host, path, config_text(models, port, [("moe", "moe", 0.00005)]))
+    TIMINGS["codes_make_before_break"] = codes
+    assert codes == {200: 30}, codes
+    status = _status(host)
+    assert status["models"]["moe"]["settings"]["budget_gib"] == 0.00005 and status["last_error"] is None
+    # No room for both (memory_gib): the old one unloads first, requests wait for the new one.
+    text = config_text(models, port, [("moe", "moe", 0.00006)]).replace(
+        "drain_timeout_s: 300}", "drain_timeout_s: 300, memory_gib: 1.5}")
+    codes = _requests_during_reload(host, path, text)
+    TIMINGS["codes_unload_first"] = codes
+    assert codes == {200: 30}, codes
+    status = _status(host)
+    assert status["models"]["moe"]["settings"]["budget_gib"] == 0.00006 and status["last_error"] is None
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+
+
+def test_a_killed_model_process_is_detected_and_restarted(server, models):
+    import psutil
+
+    host, path, port = server
+    children = [p for p in psutil.Process(host.process.pid).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline())]
+    assert len(children) == 1, [p.cmdline() for p in children]
+    started = threading.Event()
+    result = {}
+
+    def stream():
+        t0 = time.perf_counter()
+        result["out"] = stream_chat(host.base, "moe", PROMPT, 30000, on_first=started.set)
+        result["seconds"] = time.perf_counter() - t0
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert started.wait(120)
+    children[0].kill()  # SIGKILL, mid-stream
+    t0 = time.perf_counter()
+    client.join(60)
+    assert not client.is_alive(), "the in-flight request hangs on a dead process"
+    TIMINGS["in_flight_error_after_kill_s"] = round(time.perf_counter() - t0, 1)
+    text, chunks, errors, done = result["out"]
+    assert errors and "model process exited" in json.dumps(errors), errors
+    t0 = time.perf_counter()
+    code, body = chat(host.base, "moe", PROMPT, 4)
+    TIMINGS["new_request_after_kill_s"] = round(time.perf_counter() - t0, 1)
+    assert code == 503 and "model process exited" in json.dumps(body) and time.perf_counter() - t0 < 10
+    assert "/" not in body["detail"]["error"]["message"].split("model process exited")[0]
+    assert _status(host)["models"]["moe"]["state"] != "ready"
+    status = wait_for(lambda: (s := _status(host))["models"]["moe"]["state"] == "ready" and s, timeout=300,
+                      what="the model to be restarted")
+    assert status["models"]["moe"]["restarts"] == 1
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)

@@ -23,6 +23,8 @@ def register(sub) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="plan for this much memory (default: this machine)")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="skip the disk measurement, use this GB/s")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the Python file a config.json `model_file` names to run (refused otherwise)")
     p.set_defaults(func=run_plan)
 
 
@@ -78,6 +80,9 @@ def run_plan(args) -> int:
     model_dir = Path(args.model_dir).expanduser()
     if not model_dir.is_dir():
         raise ExpertStreamError(f"{model_dir}: not a folder; plan needs a local MLX checkpoint")
+    from expert_stream.streaming.remote_code import refuse_model_file
+
+    refuse_model_file(model_dir, args.trust_remote_code)  # building the model would run it
     memory = int(args.memory_gib * GIB) if args.memory_gib else psutil.virtual_memory().total
     bandwidth = args.bandwidth_gbps
     if bandwidth is None:

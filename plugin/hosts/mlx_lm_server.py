@@ -37,12 +37,13 @@ from expert_stream.plugin.config import (
     load_host_config,
 )
 from expert_stream.plugin.hosts.base import installed_version, parameter_names, refuse
+from expert_stream.plugin.endpoint_guard import refusal
+from expert_stream.plugin.redact import redact_errors
 from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
     ReloadRecord,
     file_hash,
-    is_loopback,
 )
 
 log = logging.getLogger("expert_stream")
@@ -77,7 +78,7 @@ class MlxLmServerHost:
             if attr not in init_source:
                 problems.append(f"ModelProvider.{attr} is missing")
         handler = getattr(server, "APIHandler", None)
-        for method in ("do_GET", "do_POST"):
+        for method in ("do_GET", "do_POST", "do_OPTIONS"):
             if not callable(getattr(handler, method, None)):
                 problems.append(f"APIHandler.{method} is missing")
         if not callable(getattr(server, "main", None)):
@@ -92,7 +93,7 @@ class MlxLmServerHost:
         version = internals.version if internals else self.version()
         return HostSchema(
             name=self.name, version=version,
-            entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path"}),
+            entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path", "trust_remote_code"}),
             id_key="served_model_name", top_level_keys=frozenset({"default_model"}),
         )
 
@@ -105,6 +106,8 @@ class MlxLmServerHost:
         internals = self.internals()
         config = self.load_config(config_path, internals)
         state = LmServerState(self, internals, config)
+        if "--host" in host_args[:-1]:
+            state.bind_host = host_args[host_args.index("--host") + 1]
         state.install()
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
@@ -149,6 +152,7 @@ class LmServerState:
         self.stale: set[str] = set()  # folders whose loaded model no longer matches its entry
         self.removed: set[str] = set()  # names removed from the config
         self.provider = None
+        self.bind_host = "127.0.0.1"  # mlx_lm.server's default; serve() reads --host
         self.record = ReloadRecord(str(config.path), host.name, internals.version,
                                    applied_hash=config.text_hash, applied_at=time.time())
         self._sync_models()
@@ -245,30 +249,46 @@ class LmServerState:
             handler.wfile.write(body)
             handler.wfile.flush()
 
+        def refused(handler, path) -> bool:
+            # client_address is the socket's peer; see endpoint_guard for the rest.
+            headers = {k.lower(): v for k, v in handler.headers.items()}
+            why = refusal(handler.client_address[0], headers, state.bind_host)
+            if why:
+                reply(handler, 403, {"error": f"{path} {why}"})
+            return bool(why)
+
         def do_GET(self):
             if self.path.split("?")[0] == STATUS_PATH:
-                if not is_loopback(self.client_address[0]):
-                    return reply(self, 403, {"error": f"{STATUS_PATH} answers loopback clients only"})
-                return reply(self, 200, state.status())
+                return refused(self, STATUS_PATH) or reply(self, 200, redact_errors(state.status()))
             return original_get(self)
 
         def do_POST(self):
             if self.path.split("?")[0] == RELOAD_PATH:
-                if not is_loopback(self.client_address[0]):
-                    return reply(self, 403, {"error": f"{RELOAD_PATH} answers loopback clients only"})
+                if refused(self, RELOAD_PATH):
+                    return
                 result = state.reload("endpoint")
-                return reply(self, 200 if result["ok"] else 422, result)
+                return reply(self, 200 if result["ok"] else 422, redact_errors(result))
             return original_post(self)
 
-        Handler.do_GET, Handler.do_POST = do_GET, do_POST
+        def do_OPTIONS(self):  # no CORS preflight answer for the control endpoints
+            if self.path.split("?")[0] in (STATUS_PATH, RELOAD_PATH):
+                return reply(self, 403, {"error": "the control endpoints do not answer web pages"})
+            return original_options(self)
+
+        original_options = Handler.do_OPTIONS
+        Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS = do_GET, do_POST, do_OPTIONS
 
     # -- reload ---------------------------------------------------------------------------------
     def watch(self) -> None:
         watcher = FileWatcher(self.config.path, self.config.options.debounce_seconds)
         while True:
             time.sleep(self.config.options.poll_seconds)
-            if watcher.poll():
-                self.reload("file changed")
+            try:
+                if watcher.poll():
+                    self.reload("file changed")
+            except Exception as exc:  # the watcher outlives any failure: the next edit is applied
+                log.exception("expert-stream: watching %s: %s", self.config.path, exc)
+                self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
     def reload(self, reason: str) -> dict:
         from expert_stream.plugin import plugins
@@ -278,14 +298,17 @@ class LmServerState:
             path = self.config.path
             try:
                 new = self.host.load_config(path, self.internals)
-            except ConfigError as exc:
+            except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 text_hash = file_hash(path)
                 if text_hash == self.record.failed_hash and reason == "file changed":
                     return {"ok": False, "error": self.record.last_error, "repeated": True}
-                self.record.fail(str(exc), text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, exc)
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=str(exc))
-                return {"ok": False, "error": str(exc)}
+                message = str(exc) if isinstance(exc, ConfigError) else \
+                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
+                self.record.fail(message, text_hash)
+                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
+                          exc_info=not isinstance(exc, ConfigError))
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             if new.text_hash == self.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}

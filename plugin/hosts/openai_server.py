@@ -39,18 +39,23 @@ from expert_stream.plugin.config import (
     HostSchema,
     diff,
     load_host_config,
+    room_for_both,
 )
+from expert_stream.plugin.endpoint_guard import ControlGuard
+from expert_stream.plugin.host_schema_check import dataclass_check, section_check
 from expert_stream.plugin.hosts.base import (
     HostError,
     installed_version,
     parameter_names,
     refuse,
 )
+from expert_stream.plugin.redact import redact_errors, redacting
+from expert_stream.plugin.request_queue import WaitingHandler
+from expert_stream.plugin.supervision import ProcessSupervisor, fail_pending
 from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
     ReloadRecord,
-    is_loopback,
 )
 
 log = logging.getLogger("expert_stream")
@@ -63,6 +68,9 @@ SERVER_FLAGS = {"--host": "host", "--port": "port", "--log-level": "log_level", 
 # Entry values that make a model serve one request at a time, by host version.
 ONE_AT_A_TIME = {"max_concurrency": 1, "disable_batching": True}
 STATS_TIMEOUT_S = 2.0  # a child busy generating answers the stats call after its request
+# Host entry numbers that become timeouts and queue sizes in the model process.
+ENTRY_BOUNDS = {"queue_timeout": (1, 30 * 86400), "queue_size": (1, 1 << 20), "max_concurrency": (1, 1024),
+                "context_length": (1, 1 << 32)}
 
 
 class OpenAIServerHost:
@@ -116,6 +124,7 @@ class OpenAIServerHost:
         need({"model_cfg_dict", "model_type", "model_path"} <= proxy_params
              and bool({"model_id", "served_model_name"} & proxy_params),
              "HandlerProcessProxy(model_cfg_dict, model_type, model_path, model_id) is missing")
+        need(callable(getattr(proxy, "_raise_remote_error", None)), "HandlerProcessProxy._raise_remote_error is missing")
         for method in ("start", "cleanup", "_call"):
             need(inspect.iscoroutinefunction(getattr(proxy, method, None)), f"HandlerProcessProxy.{method} is missing")
         need("_pending" in _source(getattr(proxy, "__init__", None)), "HandlerProcessProxy._pending is missing")
@@ -147,6 +156,8 @@ class OpenAIServerHost:
             queue_timeout_key="queue_timeout",
             forced_entry_values={k: v for k, v in ONE_AT_A_TIME.items() if k in internals.entry_fields},
             streamed_entry_check=_lm_only,
+            entry_check=dataclass_check(internals.ModelEntryConfig, bounds=ENTRY_BOUNDS),
+            top_level_check=_server_section_check(),
         )
 
     def load_config(self, path, internals=None, **kw) -> HostConfig:
@@ -182,6 +193,13 @@ class OpenAIServerHost:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return 0
+
+
+def _server_section_check():
+    import app.config
+
+    cls = getattr(app.config, "MultiModelServerConfig", None)
+    return section_check("server", cls, skip=frozenset({"models"}), bounds={"port": (0, 65535)}) if cls else None
 
 
 def _lm_only(entry: dict) -> Optional[str]:
@@ -236,6 +254,8 @@ def _install(internals, state: ServingState) -> None:
 
     _state = state
     internals.handler_process._handler_worker = child_worker
+    # A model process's error reaches the HTTP client through this one function.
+    internals.Proxy._raise_remote_error = staticmethod(redacting(internals.Proxy._raise_remote_error))
     internals.server.create_multi_lifespan = _make_lifespan
 
 
@@ -259,7 +279,7 @@ def _make_lifespan(multi_config):
         if registry.has_model(first):
             app.state.handler = registry.get_handler(first)
         _add_routes(app, reloader)
-        tasks = []
+        tasks = [asyncio.create_task(reloader.supervisor.run())]
         if state.config.options.watch:
             tasks.append(asyncio.create_task(reloader.watch()))
         loop = asyncio.get_running_loop()
@@ -270,6 +290,7 @@ def _make_lifespan(multi_config):
         yield
         for task in tasks:
             task.cancel()
+        reloader.supervisor.stop()
         await registry.cleanup_all()
 
     return lifespan
@@ -280,60 +301,22 @@ def _add_routes(app, reloader: "Reloader") -> None:
     # needed, and would misread the postponed annotations of this module.
     from fastapi.responses import JSONResponse
 
-    def forbidden(request):
-        client = request.client.host if request.client else None
-        if is_loopback(client):
-            return None
-        return JSONResponse({"error": f"{request.url.path} answers loopback clients only"}, status_code=403)
-
+    # Who may call them is ControlGuard's check, outside the host's CORS middleware.
     async def status(request):
-        return forbidden(request) or JSONResponse(await reloader.status())
+        return JSONResponse(redact_errors(await reloader.status()))
 
     async def reload(request):
-        refused = forbidden(request)
-        if refused:
-            return refused
         if not reloader.state.config.options.reload_endpoint:
             return JSONResponse({"error": "the reload endpoint is off (expert_stream.reload_endpoint: false)"},
                                 status_code=403)
         result = await reloader.reload("endpoint")
-        return JSONResponse(result, status_code=200 if result["ok"] else 422)
+        return JSONResponse(redact_errors(result), status_code=200 if result["ok"] else 422)
 
     app.add_route(STATUS_PATH, status, methods=["GET"])
     app.add_route(RELOAD_PATH, reload, methods=["POST"])
-
-
-class _Reloading:
-    """Stands in the registry while a changed model reloads: requests get a clear 503."""
-
-    def __init__(self, model_id: str, model_path: str, handler_type: str):
-        self.model_id = model_id
-        self.model_path = model_path
-        self.handler_type = handler_type
-        self.model_created = int(time.time())
-
-    def _refuse(self):
-        from fastapi import HTTPException
-
-        raise HTTPException(status_code=503, detail={"error": {
-            "message": f"model {self.model_id!r} is reloading after a config change; retry shortly",
-            "type": "model_reloading", "code": 503}})
-
-    async def generate_text_response(self, request):
-        self._refuse()
-
-    async def generate_text_stream(self, request):
-        self._refuse()
-        yield None
-
-    async def get_models(self):
-        return []
-
-    async def get_queue_stats(self):
-        return {}
-
-    async def cleanup(self):
-        return None
+    bind_host = (reloader.state.config.top_level.get("server") or {}).get("host")
+    app.middleware_stack = ControlGuard(app.middleware_stack or app.build_middleware_stack(),
+                                        (STATUS_PATH, RELOAD_PATH), bind_host)
 
 
 class Reloader:
@@ -344,7 +327,10 @@ class Reloader:
         self.registry = registry
         self.record = state.record
         self.lock = asyncio.Lock()
-        self.proxies: dict = {}  # model_id -> HandlerProcessProxy (or None while loading)
+        self.proxies: dict = {}  # model_id -> HandlerProcessProxy of a routed, running model
+        self.entries: dict = {}  # model_id -> the ModelEntry its process was started with
+        self._holds: dict = {}  # model_id -> WaitingHandler routed while it is not there
+        self.supervisor = ProcessSupervisor(self)
 
     # -- triggers ---------------------------------------------------------------------------
     def trigger(self, reason: str = "signal") -> None:
@@ -355,8 +341,12 @@ class Reloader:
         watcher = FileWatcher(self.state.config.path, options.debounce_seconds)
         while True:
             await asyncio.sleep(options.poll_seconds)
-            if watcher.poll():
-                await self.reload("file changed")
+            try:
+                if watcher.poll():
+                    await self.reload("file changed")
+            except Exception as exc:  # the watcher outlives any failure: the next edit is applied
+                log.exception("expert-stream: watching %s: %s", self.state.config.path, exc)
+                self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
     # -- reload -----------------------------------------------------------------------------
     async def reload(self, reason: str) -> dict:
@@ -367,22 +357,32 @@ class Reloader:
             try:
                 new = await asyncio.to_thread(load_host_config, path, self.state.schema)
                 _apply_server_flags(new, self.state.server_flags)
-            except ConfigError as exc:
+            except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 from expert_stream.plugin.reload import file_hash
 
                 text_hash = file_hash(path)
                 if text_hash == self.record.failed_hash and reason == "file changed":
                     return {"ok": False, "error": self.record.last_error, "repeated": True}
-                self.record.fail(str(exc), text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, exc)
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=str(exc))
-                return {"ok": False, "error": str(exc)}
+                message = str(exc) if isinstance(exc, ConfigError) else \
+                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
+                self.record.fail(message, text_hash)
+                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
+                          exc_info=not isinstance(exc, ConfigError))
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             if new.text_hash == self.state.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}
             if new.top_level.get("server") != self.state.config.top_level.get("server"):
                 self.record.warnings.append("server: section changed; host and port apply at the next start")
-            applied = await self._apply(new, reason)
+            try:
+                applied = await self._apply(new, reason)
+            except Exception as exc:  # reported, and the next edit is applied as usual
+                message = f"{path}: applying the config failed: {type(exc).__name__}: {exc}"
+                log.exception("expert-stream: reload (%s): %s", reason, message)
+                self.record.fail(message, new.text_hash)
+                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+                return {"ok": False, "error": message}
             return {"ok": True, "applied": applied, "last_reload": self.record.last_reload}
 
     async def apply(self, config: HostConfig, reason: str) -> list:
@@ -396,6 +396,7 @@ class Reloader:
         removed, changed, added = diff(old, new)
         t0 = time.perf_counter()
         self.record.reloading = True
+        self.record.last_error = self.record.failed_hash = None  # a model failing to load sets it again
         applied, cut_off = [], 0
         try:
             for model_id in removed:
@@ -403,8 +404,11 @@ class Reloader:
                 self.record.models.pop(model_id, None)
                 applied.append(("removed", model_id))
             for model_id in changed:
-                cut_off += await self._unload(model_id, placeholder=True)
-                await self._load(new.by_id()[model_id])
+                if model_id in self.proxies and room_for_both(new, old.by_id()[model_id]):
+                    cut_off += await self._replace(new.by_id()[model_id])
+                else:  # its requests wait for the new model meanwhile
+                    cut_off += await self._unload(model_id, placeholder=True)
+                    await self._load(new.by_id()[model_id])
                 applied.append(("changed", model_id))
             for model_id in added:
                 await self._load(new.by_id()[model_id], fail_hard=(reason == "start"))
@@ -414,8 +418,6 @@ class Reloader:
         self.state.config = new
         self.record.applied_hash = new.text_hash
         self.record.applied_at = time.time()
-        self.record.last_error = None
-        self.record.failed_hash = None
         if reason != "start":
             self.record.reloads += 1
         self.record.last_reload = {"reason": reason, "removed": removed, "changed": changed, "added": added,
@@ -425,9 +427,57 @@ class Reloader:
         return applied
 
     async def _load(self, entry, fail_hard: bool = False) -> None:
+        proxy = await self._start(entry, fail_hard)
+        if proxy is not None:
+            await self._route(entry.model_id, proxy, entry.host_entry.get("model_type", "lm"),
+                              entry.host_entry.get("context_length"))
+            self.proxies[entry.model_id] = proxy
+
+    async def _replace(self, entry) -> int:
+        """Make before break: the new process loads beside the old one, which serves until
+        the switch; if the new one fails to load, the old one keeps serving."""
+        model_id = entry.model_id
+        old_state = self.record.models.get(model_id)
+        proxy = await self._start(entry)
+        if proxy is None:
+            if old_state is not None:
+                failed, self.record.models[model_id] = self.record.models[model_id], old_state
+                old_state.error = f"the changed entry failed to load, still serving the previous one: {failed.error}"
+            return 0
+        old = self.proxies.pop(model_id)
+        await self._route(model_id, proxy, entry.host_entry.get("model_type", "lm"),
+                          entry.host_entry.get("context_length"))
+        self.proxies[model_id] = proxy
+        cut_off = await _drain(old, model_id, self.state.config.options.drain_timeout_s)
+        await old.cleanup()
+        return cut_off
+
+    def hold(self, model_id: str):
+        """Route the model's requests to a WaitingHandler until something else is routed."""
+        entry = self.entries.get(model_id)
+        host_entry = entry.host_entry if entry else {}
+        model_type = host_entry.get("model_type", "lm")
+        handler_type = getattr(self.state.internals.Proxy, "_MODEL_TYPE_TO_HANDLER_TYPE", {}).get(model_type, model_type)
+        waiting = WaitingHandler(model_id, entry.model_path if entry else "", handler_type, self.state.internals.Proxy,
+                                 timeout=host_entry.get("queue_timeout", 300),
+                                 max_waiting=host_entry.get("queue_size", 100))
+        if model_id in self.registry._metadata:
+            self.registry._handlers[model_id] = waiting
+        previous = self._holds.get(model_id)
+        self._holds[model_id] = waiting
+        if previous is not None:
+            previous.resolve(waiting)  # who waited there waits on, here
+        return waiting
+
+    async def _start(self, entry, fail_hard: bool = False):
+        """Spawn the entry's model process and wait until it is ready; None if it failed."""
         internals = self.state.internals
         cfg = internals.ModelEntryConfig(**entry.host_entry)
+        previous = self.record.models.get(entry.model_id)
+        restarting = previous is not None and previous.state == "restarting"  # the supervisor's restart
         model_state = ModelState(entry.model_id, entry.model_path, entry.streamed,
+                                 state="restarting" if restarting else "loading",
+                                 restarts=previous.restarts if restarting else 0,
                                  settings=entry.settings.to_dict() if entry.streamed else None)
         self.record.models[entry.model_id] = model_state
         kwargs = {"model_cfg_dict": dataclasses.asdict(cfg), "model_type": cfg.model_type,
@@ -445,35 +495,43 @@ class Reloader:
         except Exception as exc:
             model_state.state, model_state.error = "error", str(exc)
             self.record.fail(f"{entry.model_id}: {exc}", None)
+            held = self._holds.get(entry.model_id)
+            if held is not None:
+                held.fail(f"failed to load after a config change: {exc}")
             await proxy.cleanup()
             if fail_hard:
                 raise
-            return
-        await self._route(entry.model_id, proxy, cfg.model_type, cfg.context_length)
-        self.proxies[entry.model_id] = proxy
+            return None
+        self.entries[entry.model_id] = entry
         model_state.state = "ready"
         model_state.loaded_at = time.time()
         model_state.load_seconds = round(time.perf_counter() - t0, 2)
+        return proxy
 
     async def _route(self, model_id, handler, model_type, context_length) -> None:
-        async with self.registry._lock:
-            self.registry._handlers.pop(model_id, None)
-            self.registry._metadata.pop(model_id, None)
-        await self.registry.register_model(model_id=model_id, handler=handler, model_type=model_type,
-                                           context_length=context_length)
+        """Route the model's requests to `handler`: an atomic swap for a routed id."""
+        held = self._holds.pop(model_id, None)
+        if model_id in self.registry._metadata:
+            self.registry._handlers[model_id] = handler
+        else:
+            await self.registry.register_model(model_id=model_id, handler=handler, model_type=model_type,
+                                               context_length=context_length)
+        if held is not None:
+            held.resolve(handler)
 
     async def _unload(self, model_id: str, placeholder: bool) -> int:
         """Stop routing to the model, let its in-flight requests finish (up to the drain
         timeout, then cut them off with an error), then stop its process."""
         proxy = self.proxies.pop(model_id, None)
-        async with self.registry._lock:
-            metadata = self.registry._metadata.get(model_id)
-            if placeholder and metadata is not None:
-                self.registry._handlers[model_id] = _Reloading(
-                    model_id, getattr(proxy, "model_path", ""), getattr(proxy, "handler_type", "lm"))
-            else:
-                self.registry._handlers.pop(model_id, None)
-                self.registry._metadata.pop(model_id, None)
+        if placeholder:
+            self.hold(model_id)
+        else:
+            self.registry._handlers.pop(model_id, None)
+            self.registry._metadata.pop(model_id, None)
+            self.entries.pop(model_id, None)
+            held = self._holds.pop(model_id, None)
+            if held is not None:
+                held.fail("was removed from the config")
         if proxy is None:
             return 0
         model_state = self.record.models.get(model_id)
@@ -485,6 +543,7 @@ class Reloader:
 
     # -- status -----------------------------------------------------------------------------
     async def status(self) -> dict:
+        self.supervisor.notice_deaths()  # never report a dead process as ready
         for model_id, proxy in list(self.proxies.items()):
             model_state = self.record.models.get(model_id)
             if not model_state or not model_state.streamed or model_state.state != "ready":
@@ -501,27 +560,13 @@ async def _drain(proxy, model_id: str, timeout: float) -> int:
     """Wait for the proxy's in-flight requests; past the timeout, answer each with an error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
-        busy = [rid for rid in list(proxy._pending) if rid != "__ready__"]
-        if not busy or loop.time() >= deadline:
-            break
+    while any(rid != "__ready__" for rid in list(proxy._pending)) and loop.time() < deadline:
         await asyncio.sleep(0.1)
-    for rid in busy:
-        queue = proxy._pending.get(rid)
-        if queue is None:
-            continue
-        message = {"id": rid, "type": "error", "status_code": 503, "error_type": "ModelUnloaded",
-                   "message": f"model {model_id!r} was unloaded by a config reload after waiting {timeout:.0f} s "
-                              "for this request; send it again"}
-        while True:
-            try:
-                queue.put_nowait(message)
-                break
-            except asyncio.QueueFull:
-                queue.get_nowait()
-    if busy:
-        log.warning("expert-stream: %s: cut off %d request(s) after the %.0f s drain timeout", model_id, len(busy), timeout)
-    return len(busy)
+    cut_off = fail_pending(proxy, f"model {model_id!r} was unloaded by a config reload after waiting {timeout:.0f} s "
+                                  "for this request; send it again", "ModelUnloaded")
+    if cut_off:
+        log.warning("expert-stream: %s: cut off %d request(s) after the %.0f s drain timeout", model_id, cut_off, timeout)
+    return cut_off
 
 
 MLX_OPENAI_SERVER = OpenAIServerHost()

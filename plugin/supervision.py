@@ -1,0 +1,121 @@
+"""Model processes that die (a crash, the OOM killer, kill -9) are noticed and restarted.
+
+mlx-openai-server does not watch its model processes: a dead one stays routed, its in-flight
+requests and every new one wait on a queue nobody reads until the client gives up (the
+proxy's RPC timeout is the entry's queue_timeout, an hour for streamed models). The
+supervisor polls each routed process; on a death it (1) marks the model `restarting` in the
+status, (2) answers its in-flight requests with an error at once and routes new ones to a
+handler that does the same, (3) starts the model again, at most MAX_RESTARTS times in
+RESTART_WINDOW_S, after which the model stays in `error` until the next reload."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+log = logging.getLogger("expert_stream")
+
+POLL_S = 0.5
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
+
+
+def fail_pending(proxy, message: str, error_type: str) -> int:
+    """Answer every request waiting on `proxy` with an error; returns how many there were."""
+    busy = [rid for rid in list(proxy._pending) if rid != "__ready__"]
+    for rid in busy:
+        queue = proxy._pending.get(rid)
+        if queue is None:
+            continue
+        reply = {"id": rid, "type": "error", "status_code": 503, "error_type": error_type, "message": message}
+        while True:
+            try:
+                queue.put_nowait(reply)
+                break
+            except asyncio.QueueFull:  # a stream's queue full of chunks: the error goes first
+                queue.get_nowait()
+    return len(busy)
+
+
+def process_alive(proxy) -> bool:
+    process = getattr(proxy, "_process", None)
+    return process is not None and process.is_alive()
+
+
+class ProcessSupervisor:
+    """Watches the processes a Reloader routed to; owns the restarts and their count."""
+
+    def __init__(self, reloader):
+        self.reloader = reloader
+        self.deaths: dict[str, list[float]] = {}  # model_id -> times its process died
+        self._restarting: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                self.notice_deaths()
+            except Exception:  # the supervisor outlives its own failures
+                log.exception("expert-stream: checking the model processes failed")
+
+    def stop(self) -> None:
+        """The server is stopping: no restart may start a process after the cleanup."""
+        for task in self._restarting.values():
+            task.cancel()
+
+    def notice_deaths(self) -> list[str]:
+        """The synchronous part (no await: nothing can route to the dead process meanwhile):
+        take each dead process out of routing, fail its requests, schedule the restart."""
+        dead = [mid for mid, proxy in self.reloader.proxies.items() if not process_alive(proxy)]
+        for model_id in dead:
+            proxy = self.reloader.proxies.pop(model_id)
+            code = getattr(proxy._process, "exitcode", None)
+            now = time.monotonic()
+            times = [t for t in self.deaths.get(model_id, []) if now - t < RESTART_WINDOW_S] + [now]
+            self.deaths[model_id] = times
+            state = self.reloader.record.models.get(model_id)
+            give_up = len(times) > MAX_RESTARTS
+            why = f"its model process exited (exit code {code})"
+            if give_up:
+                message = (f"{why}, {len(times)} times in {RESTART_WINDOW_S:.0f} s; not restarted again "
+                           "until the next reload")
+            else:
+                message = f"{why}; restarting it (restart {len(times)} of at most {MAX_RESTARTS})"
+            log.error("expert-stream: %s: %s", model_id, message)
+            if state:
+                state.state, state.error = ("error" if give_up else "restarting"), message
+                state.restarts = len(times) if not give_up else MAX_RESTARTS
+            self.reloader.hold(model_id).fail(message + "; send the request again shortly")
+            failed = fail_pending(proxy, f"model {model_id!r}: {message}; send the request again", "ModelProcessDied")
+            if failed:
+                log.warning("expert-stream: %s: %d in-flight request(s) answered with an error", model_id, failed)
+            if not give_up:
+                self._restarting[model_id] = asyncio.get_running_loop().create_task(self._restart(model_id, proxy))
+        return dead
+
+    async def _restart(self, model_id: str, dead_proxy) -> None:
+        await dead_proxy.cleanup()
+        fail_pending(dead_proxy, f"model {model_id!r}: its model process exited; send the request again",
+                     "ModelProcessDied")  # any that reached it after the first sweep
+        while True:
+            async with self.reloader.lock:
+                entry = self.reloader.entries.get(model_id)
+                if entry is None or model_id in self.reloader.proxies:
+                    return  # removed or reloaded meanwhile
+                await self.reloader._load(entry)
+                if model_id in self.reloader.proxies:
+                    log.info("expert-stream: %s: model process restarted", model_id)
+                    return
+                state = self.reloader.record.models.get(model_id)
+                error = state.error if state else "unknown error"
+                self.deaths[model_id].append(time.monotonic())
+                attempts = len(self.deaths[model_id])
+                if attempts > MAX_RESTARTS:
+                    self.reloader.hold(model_id).fail(f"could not be restarted ({attempts - 1} attempts): {error}")
+                    return
+                if state:
+                    state.state, state.restarts = "restarting", attempts
+                self.reloader.hold(model_id).fail(f"restarting it after a failed start (restart {attempts} of at "
+                                                  f"most {MAX_RESTARTS}): {error}")
+            await asyncio.sleep(2.0)

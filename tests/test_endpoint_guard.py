@@ -1,0 +1,124 @@
+"""Issue 14 items 7 and 9: the control endpoints answer programs on this machine only, never a
+web page, and errors sent to clients carry no absolute paths or offsets. A real uvicorn server
+on 127.0.0.1 with the host's own middleware (CORS allowing every origin, proxy headers trusted
+from loopback, as uvicorn does by default), the guard installed as the plugin installs it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import asynccontextmanager
+
+import pytest
+
+from expert_stream.plugin.endpoint_guard import ControlGuard, host_name, loopback_address, refusal
+from expert_stream.plugin.redact import redact, redact_errors
+from plugin_fixtures import free_port
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+def non_loopback_address():
+    """This machine's address on its first non-loopback interface, or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+            address = s.getsockname()[0]
+        return None if address.startswith("127.") else address
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    from fastapi.middleware.cors import CORSMiddleware
+    from fastapi.responses import JSONResponse
+
+    @asynccontextmanager
+    async def lifespan(app):
+        app.add_route("/expert-stream/status", lambda request: JSONResponse({"ok": True}), methods=["GET"])
+        app.middleware_stack = ControlGuard(app.middleware_stack, ["/expert-stream/status"], "0.0.0.0")
+        yield
+
+    app = fastapi.FastAPI(lifespan=lifespan)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
+                       allow_headers=["*"])
+    app.add_api_route("/v1/models", lambda: {"data": []})
+    port = free_port()
+    config = uvicorn.Config(app, host="0.0.0.0", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def get(url, headers=None, method="GET"):
+    request = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}
+
+
+def test_control_endpoints_answer_local_programs_only(server):
+    base = f"http://127.0.0.1:{server}/expert-stream/status"
+    assert get(base)[0] == 200
+    assert get(f"http://localhost:{server}/expert-stream/status")[0] == 200
+    # uvicorn trusts proxy headers from loopback peers: the client would become "localhost".
+    assert get(base, {"X-Forwarded-For": "localhost"})[0] == 403
+    assert get(base, {"X-Forwarded-For": "127.0.0.1"})[0] == 403
+    assert get(base, {"Forwarded": "for=127.0.0.1"})[0] == 403
+    # DNS rebinding: the page's own name reaches 127.0.0.1.
+    assert get(base, {"Host": f"evil.example:{server}"})[0] == 403
+    # A web page: refused, and nothing lets it read the answer.
+    status, headers = get(base, {"Origin": "http://evil.example"})
+    assert status == 403 and not any(h.startswith("access-control-") for h in headers)
+    status, headers = get(base, {"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"},
+                          method="OPTIONS")
+    assert status == 403 and not any(h.startswith("access-control-") for h in headers)
+    # Other routes keep the host's behaviour, CORS included.
+    status, headers = get(f"http://127.0.0.1:{server}/v1/models", {"Origin": "http://evil.example"})
+    assert status == 200 and headers.get("access-control-allow-origin")
+    other = non_loopback_address()
+    if other:  # a peer that is not loopback, even when it says it is
+        assert get(f"http://{other}:{server}/expert-stream/status", {"Host": "localhost"})[0] == 403
+
+
+def test_refusal_rules():
+    local = {"host": "127.0.0.1:8000"}
+    assert refusal("127.0.0.1", local, None) is None
+    assert refusal("::1", {"host": "[::1]:8000"}, None) is None
+    assert refusal("::ffff:127.0.0.1", local, None) is None
+    assert refusal("localhost", local, None)  # a peer is an address, never a name
+    assert refusal("10.1.2.3", local, None)
+    assert refusal("127.0.0.1", {"host": "myhost:8000"}, "myhost") is None  # the bind address
+    assert refusal("127.0.0.1", {"host": "myhost:8000"}, "0.0.0.0")
+    assert refusal("127.0.0.1", {}, None)  # no Host header at all
+    assert host_name("[::1]:80") == "::1" and host_name("LocalHost:1") == "localhost"
+    assert loopback_address("127.8.9.10") and not loopback_address("128.0.0.1")
+
+
+def test_errors_for_clients_carry_no_paths_or_offsets():
+    message = ("/home/ann/cfg/host.yaml: models[0] (/home/ann/models/qwen).expert_stream: read of 4096 bytes "
+               "at offset 123456 of /home/ann/models/qwen/model-00001.safetensors failed; see /expert-stream/status")
+    out = redact(message)
+    assert "/home" not in out and "123456" not in out
+    assert out.startswith("host.yaml: models[0] (qwen)") and "model-00001.safetensors" in out
+    assert "/expert-stream/status" in out
+    status = {"config_path": "/home/ann/cfg/host.yaml", "last_error": message,
+              "models": {"qwen": {"error": message, "model_path": "/home/ann/models/qwen"}}}
+    clean = redact_errors(status)
+    assert "/home" not in clean["last_error"] and "/home" not in clean["models"]["qwen"]["error"]
+    assert clean["models"]["qwen"]["model_path"] == "/home/ann/models/qwen"  # not an error: kept
