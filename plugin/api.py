@@ -11,9 +11,12 @@ def load(path, budget_gib=None, **settings):
     plugins); `validate_settings` plugins may refuse the settings before anything loads.
     """
     from expert_stream.plugin import plugins
+    from expert_stream.plugin.hosts import prefill_step
+    from expert_stream.plugin.paths import resolve_model_path
     from expert_stream.streaming import loader
     from expert_stream.streaming.settings import StreamSettings
 
+    path = resolve_model_path(str(path))  # `~`, $VARS, or a hub id in the local HF cache
     pm = plugins.get_plugin_manager()
     specs = plugins.architectures(pm)
     where = f"expert_stream.load({str(path)!r})"
@@ -26,5 +29,7 @@ def load(path, budget_gib=None, **settings):
     )
     pm.hook.validate_settings(settings=stream_settings, model_path=str(path), where=where)
     model, tokenizer, handle = loader.load(path, budget_gib=budget_gib, architectures=specs, **settings)
+    prefill_step.install()  # mlx_lm.generate / stream_generate chunk prompts by its prefill_step
+    prefill_step.register(model, handle.settings.prefill_step)
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle
