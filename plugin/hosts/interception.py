@@ -50,7 +50,7 @@ def check() -> list[str]:
     for name in ("model_path", "lazy"):
         if name not in params:
             problems.append(f"mlx_lm.utils.load_model has no `{name}` parameter (mlx-lm {mlx_lm.__version__})")
-    return problems
+    return problems + prefill_step.check()
 
 
 def install() -> None:

@@ -18,11 +18,24 @@ _steps: dict[int, tuple] = {}
 _original = None
 
 
+def check() -> list[str]:
+    """What is wrong with the mlx-lm function this module wraps (empty when it fits)."""
+    import importlib
+    import inspect
+
+    fn = _original or getattr(importlib.import_module("mlx_lm.generate"), "generate_step", None)
+    if fn is None or "prefill_step_size" not in inspect.signature(fn).parameters:
+        return ["mlx_lm.generate.generate_step(prompt, model, prefill_step_size=...) is missing"]
+    return []
+
+
 def install() -> None:
     """Wrap `mlx_lm.generate.generate_step` (once per process); stream_generate calls it by
     its module-level name."""
     global _original
-    import mlx_lm.generate as generate
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` the attribute is a function
 
     with _lock:
         if _original is not None:
