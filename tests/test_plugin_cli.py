@@ -42,3 +42,62 @@ def test_demo_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "answer:" in result.stdout and "cache: hit rate" in result.stdout and "server stopped" in result.stdout
     assert (tmp_path / "cache" / "demo" / "config.json").exists()
+
+
+def test_status_line_shows_a_model_whose_experts_all_fit_as_resident(tmp_path):
+    import mlx_lm
+
+    import expert_stream
+    from expert_stream.plugin.cli.server_commands import model_line
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    moe = make_moe(tmp_path)
+    every = checkpoint_footprint(moe).budget_gib_for_slots(8)
+    lines = {}
+    for name, budget, resident in (("slots", every, False), ("stock-layers", every, True), ("small", 0.00005, False)):
+        model, tokenizer, handle = expert_stream.load(moe, budget_gib=budget, resident=resident)
+        mlx_lm.generate(model, tokenizer, "hello there", max_tokens=4)
+        lines[name] = model_line("m", {"state": "ready", "streamed": True, "settings": {"budget_gib": budget},
+                                       "stats": handle.stats()})
+        handle.close()
+    assert "every expert resident (2 MoE layers, nothing read)" in lines["slots"]
+    assert "every expert resident (2 MoE layers, nothing read)" in lines["stock-layers"]
+    assert "hit rate" in lines["small"] and "resident" not in lines["small"]
+
+
+def test_bare_status_finds_the_running_server_from_its_run_file(tmp_path, monkeypatch, capsys):
+    """A server written by `serve` / `mlx-lm-server` (here: a plain HTTP server in this process
+    standing in for one, answering the status endpoint) is found without --url."""
+    import http.server
+    import threading
+
+    from expert_stream.plugin import run_files
+    from expert_stream.plugin.cli import main
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"config_path": "host.yaml", "host": "test", "host_version": "0", "reloads": 0,
+                               "applied_hash": "ab" * 32, "models": {}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("EXPERT_STREAM_CACHE", str(tmp_path / "cache"))
+    assert main(["status"]) == 2
+    assert "no server started through" in capsys.readouterr().err
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        run_files.write(run_files.local_url("0.0.0.0", httpd.server_address[1]), tmp_path / "host.yaml", "test")
+        dead = run_files.servers_dir() / "999999999.json"  # a server that exited without cleaning up
+        dead.write_text(json.dumps({"url": "http://127.0.0.1:1", "config": "x", "pid": 999999999}))
+        assert main(["status"]) == 0
+        assert "config:   host.yaml (test 0)" in capsys.readouterr().out
+        assert main(["status", "--config", str(tmp_path / "other.yaml")]) == 2
+        assert not dead.exists()
+    finally:
+        httpd.shutdown()

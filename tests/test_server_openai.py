@@ -45,7 +45,8 @@ def models(tmp_path_factory):
 
 
 def home_env(models) -> dict:
-    return {"HOME": str(models["moe"].parent)}
+    """HOME for `~/NAME`; the run file (for a bare `expert-stream status`) goes under it too."""
+    return {"HOME": str(models["moe"].parent), "EXPERT_STREAM_CACHE": str(models["moe"].parent / "cache")}
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +85,17 @@ def test_dense_model_is_untouched(server, models):
     assert dense["streamed"] is False and dense["stats"] is None
 
 
-def test_status_command(server, capsys):
+def test_status_command(server, models, capsys, monkeypatch):
     from expert_stream.plugin.cli import main
 
     host, _, _ = server
     assert main(["status", "--url", host.base]) == 0
     out = capsys.readouterr().out
     assert "moe: ready, streamed" in out and "dense: ready, stock" in out
+    # Bare: the server's address comes from the run file it wrote (its port is not 8000).
+    monkeypatch.setenv("EXPERT_STREAM_CACHE", home_env(models)["EXPERT_STREAM_CACHE"])
+    assert main(["status"]) == 0
+    assert "moe: ready, streamed" in capsys.readouterr().out
 
 
 def test_invalid_edit_keeps_serving_and_shows_the_error(server, models):

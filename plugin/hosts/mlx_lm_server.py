@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from expert_stream.plugin import run_files
 from expert_stream.plugin.config import (
     ConfigError,
     HostConfig,
@@ -120,9 +121,21 @@ class MlxLmServerHost:
                 target=state.reload, args=("SIGHUP",), daemon=True).start())
         except (ValueError, AttributeError):
             pass
+        run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
         log.info("expert-stream: serving %s through mlx_lm.server (mlx-lm %s)", config.path, internals.version)
         internals.server.main()
         return 0
+
+
+def _listen_address(argv: list[str]) -> tuple[str, int]:
+    """mlx_lm.server's --host and --port (its defaults: 127.0.0.1, 8080)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    known, _ = parser.parse_known_args(argv)
+    return known.host, known.port
 
 
 def _check_unique_folders(config: HostConfig) -> None:
