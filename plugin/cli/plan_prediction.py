@@ -1,0 +1,64 @@
+"""What `expert-stream plan` predicts a budget decodes at, from measurements on this machine:
+
+    t_token = t_compute + miss_rate(budget) * bytes_of_one_token's_experts / disk_bandwidth
+
+t_compute is timed: the model streamed with the smallest budget and every expert lookup forced
+to hit (the same kernels as a real run, no reads; what `bench` does when stock does not fit).
+miss_rate comes from a routing trace when one is given (expert-stream trace; the default policy
+and LRU replayed at each budget), else from two labelled assumptions: uniform routing (the
+conservative end: each expert equally likely, so a layer holding s of E experts misses 1 - s/E)
+and routing that repeats what is resident (the optimistic end: compute only)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+# Decode steps timed for t_compute, after a warm-up (kernels compile on the first calls).
+COMPUTE_PROMPT_TOKENS = 16
+COMPUTE_DECODE_STEPS = 8
+
+
+def measure_compute(model_dir: Path, budget_gib: float) -> float:
+    """Seconds per decode token with every expert lookup a hit."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    import expert_stream
+    from expert_stream.streaming.bench import _vocab
+
+    model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, speculate=False, prefetch=False)
+    try:
+        for stream in handle.streams:
+            stream.forced_hits = True
+        rng = np.random.default_rng(0)
+        prompt = mx.array(rng.integers(3, _vocab(model) - 1, COMPUTE_PROMPT_TOKENS), dtype=mx.int32)
+        for _ in generate_step(prompt[::-1], model, max_tokens=2):
+            pass
+        t_first = None
+        for n, _ in enumerate(generate_step(prompt, model, max_tokens=COMPUTE_DECODE_STEPS + 1)):
+            if n == 0:
+                t_first = time.perf_counter()
+        return (time.perf_counter() - t_first) / COMPUTE_DECODE_STEPS
+    finally:
+        handle.close()
+
+
+def trace_miss_rates(trace_path: Path, shares: list[float]) -> dict[float, tuple[float, float]]:
+    """share of experts held -> (miss rate of the default policy, of LRU) on the trace's decode."""
+    from expert_stream.streaming.policy_sim import simulate
+    from expert_stream.streaming.traces import load_trace
+
+    trace = load_trace(Path(trace_path).expanduser())
+    return {share: (1 - simulate(trace, "default", share)["hit_rate"] / 100,
+                    1 - simulate(trace, "lru", share)["hit_rate"] / 100) for share in shares}
+
+
+def predict(t_compute: float, token_expert_bytes: int, bandwidth_gbps: float, miss_low: float,
+            miss_high: float) -> tuple[float, float]:
+    """(slowest, fastest) tok/s for a miss rate between miss_low and miss_high."""
+    def rate(miss):
+        return 1 / (t_compute + miss * token_expert_bytes / (bandwidth_gbps * 1e9))
+
+    return rate(miss_high), rate(miss_low)
