@@ -148,3 +148,22 @@ def test_help_answers_fast_without_importing_mlx_lm():
     seconds = time.perf_counter() - t0
     assert result.returncode == 0 and "plan" in result.stdout
     assert seconds < 3, f"expert-stream --help took {seconds:.1f} s"
+
+
+def test_plan_prints_its_header_before_importing_mlx_lm(tmp_path):
+    import sys
+    import time
+
+    moe = make_moe(tmp_path)
+    t0 = time.perf_counter()
+    process = subprocess.Popen(expert_stream_argv("plan", str(moe), "--bandwidth-gbps", "1", "--compute-ms", "5"),
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        first = process.stdout.readline()
+        seconds = time.perf_counter() - t0
+        assert first.startswith(f"model:    {moe} (qwen3_moe"), first
+        assert seconds < 3, f"the header took {seconds:.1f} s"
+    finally:
+        process.kill()  # the rest of the plan is tested in-process above
+        process.wait()
+        process.stdout.close()
