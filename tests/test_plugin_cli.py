@@ -52,6 +52,10 @@ def test_plan_predicts_from_compute_and_the_miss_curve(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert all(b["miss_rate"][1] < 0.05 for b in plan["budgets"]), plan["budgets"]
     assert plan["budgets"][0]["miss_curve"].startswith("trace")
+    # Where the trunk and the smallest budget do not fit, nothing is timed and nothing predicted.
+    assert main(["plan", str(moe), "--json", "--bandwidth-gbps", "1", "--memory-gib", "1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["t_compute_ms"] is None and all(b["tok_s"] == [0.0, 0.0] for b in plan["budgets"])
 
 
 def test_plan_refuses_a_dense_checkpoint(tmp_path, capsys):

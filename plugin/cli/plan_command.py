@@ -58,7 +58,7 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     row = fp.bytes_per_slot_row
     experts = max(fp.num_experts)
     top_k = fp.top_k or 1
-    if t_compute is None:
+    if t_compute is None and fp.trunk_bytes + fp.min_budget_bytes + reserve <= memory_bytes:
         t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001)
     all_slots = sorted(s for s in {top_k, 2 * top_k, experts // 8, experts // 4, experts // 2, experts}
                        if top_k <= s <= experts)
@@ -73,7 +73,10 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
             # Uniform routing (conservative): a token's expert is resident with p = slots / experts.
             miss_low, miss_high = 0.0, 1 - slots / experts
             curve = "assumed: repeating routing (compute only) .. uniform routing (conservative)"
-        slow, fast = plan_prediction.predict(t_compute, fp.token_expert_bytes, bandwidth_gbps, miss_low, miss_high)
+        if t_compute is None:  # the trunk and the smallest budget do not fit: nothing to time
+            slow = fast = 0.0
+        else:
+            slow, fast = plan_prediction.predict(t_compute, fp.token_expert_bytes, bandwidth_gbps, miss_low, miss_high)
         budgets.append({"slots_per_layer": slots, "budget_gib": round(budget / GIB, 4), "fits": budget <= room,
                         "miss_rate": [round(miss_low, 4), round(miss_high, 4)],
                         "miss_gb_per_token": round(miss_high * fp.token_expert_bytes / 1e9, 4),
@@ -87,7 +90,8 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
         "memory_gib": round(memory_bytes / GIB, 2), "kv_cache_gib": round(kv / GIB, 3), "context": context,
         "reserve_gib": SYSTEM_RESERVE_GIB, "largest_budget_gib": round(max(room, 0) / GIB, 3),
         "fits_stock": fp.total_bytes + kv + reserve <= memory_bytes,
-        "disk_gbps": round(bandwidth_gbps, 3), "t_compute_ms": round(t_compute * 1e3, 3),
+        "disk_gbps": round(bandwidth_gbps, 3),
+        "t_compute_ms": round(t_compute * 1e3, 3) if t_compute is not None else None,
         "trace": str(trace) if trace else None, "budgets": budgets,
     }
 
@@ -138,8 +142,11 @@ def run_plan(args) -> int:
     print(f"stock:    {'fits' if plan['fits_stock'] else 'does not fit'} in memory")
     print(f"budget:   smallest {plan['min_budget_gib']} GiB, largest that fits {plan['largest_budget_gib']} GiB")
     print(f"disk:     {plan['disk_gbps']} GB/s measured")
-    print(f"compute:  {plan['t_compute_ms']} ms per token with every expert resident"
-          + (" (given)" if args.compute_ms is not None else " (measured)"))
+    if plan["t_compute_ms"] is None:
+        print("compute:  not measured: the trunk and the smallest budget do not fit in memory")
+    else:
+        print(f"compute:  {plan['t_compute_ms']} ms per token with every expert resident"
+              + (" (given)" if args.compute_ms is not None else " (measured)"))
     print(f"decode tok/s by budget; miss rates {plan['budgets'][0]['miss_curve']}:")
     for b in plan["budgets"]:
         print(f"  {b['budget_gib']:>10} GiB  {b['slots_per_layer']:>4} slots/layer  "
