@@ -123,3 +123,37 @@ def test_budget_by_trace_spreads_slots_by_the_trace(moe, tmp_path):
         handle.close()
     assert slots[False] == [5, 5]
     assert slots[True][0] > slots[True][1], slots
+
+
+def test_policy_picks_the_eviction_policy(moe):
+    from expert_stream.streaming.policy import make_policy
+
+    kinds = {}
+    for name in ("lru", "default"):
+        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, policy=name)
+        kinds[name] = {type(s.cache.policy) for s in handle.streams}
+        handle.close()
+    assert kinds["lru"] == {type(make_policy("lru", 8, 3))} != kinds["default"]
+
+
+def test_prefetch_off_links_no_lookahead(moe):
+    for prefetch in (True, False):
+        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, prefetch=prefetch)
+        assert (handle.streams[0].lookahead is not None) is prefetch
+        handle.close()
+
+
+def test_speculate_check_every_sets_the_group_size(moe):
+    for every in (1, 0):
+        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, speculate_check_every=every)
+        assert handle.speculation.checks.every == every
+        handle.close()
+
+
+def test_cache_bypass_mode_reaches_the_reader(moe):
+    used = {}
+    for mode in ("none", "fadvise"):
+        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, cache_bypass=mode)
+        used[mode] = handle.stats()["cache_bypass"]
+        handle.close()
+    assert used["none"] == "none" and used["fadvise"] in ("fadvise", "none"), used
