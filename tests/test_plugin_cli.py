@@ -19,7 +19,7 @@ def test_plan_reports_sizes_and_budgets(tmp_path, capsys):
     assert plan["moe_layers"] == 2 and plan["experts_per_layer"] == 8 and plan["top_k"] == 2
     assert plan["trunk_gib"] + plan["expert_gib"] == pytest.approx(plan["total_gib"], abs=0.002)
     assert plan["disk_gbps"] > 0 and plan["budgets"][0]["slots_per_layer"] == 2
-    assert plan["t_compute_ms"] > 0  # measured: a timed decode with every expert resident
+    assert plan["t_compute_ms"] > 0 and plan["t_compute_source"] == "timed with every expert in a slot"
     every = plan["budgets"][-1]
     assert every["miss_rate"] == [0.0, 0.0] and every["tok_s"][0] == every["tok_s"][1]
     assert main(["plan", str(moe), "--bandwidth-gbps", "2", "--compute-ms", "5"]) == 0
@@ -52,6 +52,15 @@ def test_plan_predicts_from_compute_and_the_miss_curve(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert all(b["miss_rate"][1] < 0.05 for b in plan["budgets"]), plan["budgets"]
     assert plan["budgets"][0]["miss_curve"].startswith("trace")
+    # Where every expert does not fit beside the trunk, compute is timed with forced hits.
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    fp = checkpoint_footprint(moe)
+    room = (fp.trunk_bytes + fp.min_budget_bytes + fp.total_bytes) / 2 / (1 << 30)
+    assert main(["plan", str(moe), "--json", "--bandwidth-gbps", "1", "--memory-gib", str(2 + room)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["t_compute_ms"] > 0 and "forced to hit" in plan["t_compute_source"]
+    assert not plan["fits_stock"]
     # Where the trunk and the smallest budget do not fit, nothing is timed and nothing predicted.
     assert main(["plan", str(moe), "--json", "--bandwidth-gbps", "1", "--memory-gib", "1"]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -58,8 +58,14 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     row = fp.bytes_per_slot_row
     experts = max(fp.num_experts)
     top_k = fp.top_k or 1
-    if t_compute is None and fp.trunk_bytes + fp.min_budget_bytes + reserve <= memory_bytes:
-        t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001)
+    compute_source = "given" if t_compute is not None else None
+    if t_compute is None and fp.expert_bytes <= plan_prediction.ALL_RESIDENT_MAX_BYTES \
+            and fp.total_bytes + reserve <= memory_bytes:
+        t_compute = plan_prediction.measure_compute(model_dir, experts * row / GIB * 1.0001, forced=False)
+        compute_source = "timed with every expert in a slot"
+    elif t_compute is None and fp.trunk_bytes + fp.min_budget_bytes + reserve <= memory_bytes:
+        t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001, forced=True)
+        compute_source = "timed with the smallest budget, every lookup forced to hit (errs slow)"
     all_slots = sorted(s for s in {top_k, 2 * top_k, experts // 8, experts // 4, experts // 2, experts}
                        if top_k <= s <= experts)
     from_trace = plan_prediction.trace_miss_rates(trace, [s / experts for s in all_slots]) if trace else None
@@ -92,6 +98,7 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
         "fits_stock": fp.total_bytes + kv + reserve <= memory_bytes,
         "disk_gbps": round(bandwidth_gbps, 3),
         "t_compute_ms": round(t_compute * 1e3, 3) if t_compute is not None else None,
+        "t_compute_source": compute_source,
         "trace": str(trace) if trace else None, "budgets": budgets,
     }
 
@@ -126,8 +133,7 @@ def run_plan(args) -> int:
         bandwidth = measure_read_bandwidth(files, total_bytes=total,
                                            block_bytes=min(4 << 20, max(total // 16, 4096)))["gbps"]
     if args.compute_ms is None:
-        print("timing a decode step with every expert resident (the smallest budget) ...", file=sys.stderr,
-              flush=True)
+        print("timing decode steps with every expert resident ...", file=sys.stderr, flush=True)
     plan = make_plan(model_dir, args.context, memory, bandwidth,
                      t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace)
     if args.json:
@@ -145,8 +151,8 @@ def run_plan(args) -> int:
     if plan["t_compute_ms"] is None:
         print("compute:  not measured: the trunk and the smallest budget do not fit in memory")
     else:
-        print(f"compute:  {plan['t_compute_ms']} ms per token with every expert resident"
-              + (" (given)" if args.compute_ms is not None else " (measured)"))
+        print(f"compute:  {plan['t_compute_ms']} ms per token with every expert resident "
+              f"({plan['t_compute_source']})")
     print(f"decode tok/s by budget; miss rates {plan['budgets'][0]['miss_curve']}:")
     for b in plan["budgets"]:
         print(f"  {b['budget_gib']:>10} GiB  {b['slots_per_layer']:>4} slots/layer  "

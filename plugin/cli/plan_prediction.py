@@ -2,8 +2,10 @@
 
     t_token = t_compute + miss_rate(budget) * bytes_of_one_token's_experts / disk_bandwidth
 
-t_compute is timed: the model streamed with the smallest budget and every expert lookup forced
-to hit (the same kernels as a real run, no reads; what `bench` does when stock does not fit).
+t_compute is timed: with a budget that holds every expert when they are small enough to read
+in seconds (the engine's own path when nothing can miss), else with the smallest budget and
+every expert lookup forced to hit (the same kernels, no reads; what `bench` does when stock
+does not fit). The forced path runs layer by layer, a sync per layer, so it errs slow.
 miss_rate comes from a routing trace when one is given (expert-stream trace; the default policy
 and LRU replayed at each budget), else from two labelled assumptions: uniform routing (the
 conservative end: each expert equally likely, so a layer holding s of E experts misses 1 - s/E)
@@ -17,10 +19,12 @@ from pathlib import Path
 # Decode steps timed for t_compute, after a warm-up (kernels compile on the first calls).
 COMPUTE_PROMPT_TOKENS = 16
 COMPUTE_DECODE_STEPS = 16
+# Experts up to this size are all loaded for the timing (a few seconds of reads at SSD speeds).
+ALL_RESIDENT_MAX_BYTES = 4 << 30
 
 
-def measure_compute(model_dir: Path, budget_gib: float) -> float:
-    """Seconds per decode token with every expert lookup a hit."""
+def measure_compute(model_dir: Path, budget_gib: float, forced: bool) -> float:
+    """Seconds per decode token with every expert resident (forced: every lookup made a hit)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import generate_step
@@ -28,10 +32,10 @@ def measure_compute(model_dir: Path, budget_gib: float) -> float:
     import expert_stream
     from expert_stream.streaming.bench import _vocab
 
-    model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, speculate=False, prefetch=False)
+    model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False)
     try:
         for stream in handle.streams:
-            stream.forced_hits = True
+            stream.forced_hits = forced
         rng = np.random.default_rng(0)
         prompt = mx.array(rng.integers(3, _vocab(model) - 1, COMPUTE_PROMPT_TOKENS), dtype=mx.int32)
         for _ in generate_step(prompt[::-1], model, max_tokens=2):

@@ -1,10 +1,10 @@
 # plan's predicted decode range against bench's measured decode, on two synthetic checkpoints,
-# on one machine. Usage (device, after .gpu-b/activate.sh and tests/gpu/setup.sh): bash
-# tests/gpu/plan_vs_bench.sh OUTDIR [SLOTS_A SLOTS_B]: quarter budgets by default.
+# on one machine, at a quarter of the experts. Usage: bash tests/gpu/plan_vs_bench.sh OUTDIR, on
+# the CPU (ES=".venv/bin/expert-stream") or on the device after .gpu-b/activate.sh and setup.sh.
 set -u
 OUT=${1:-/tmp/plan_vs_bench}
 mkdir -p "$OUT"
-ES="python3 -m expert_stream.plugin.cli"
+ES=${ES:-python3 -m expert_stream.plugin.cli}
 $ES synth --arch qwen3_moe --out "$OUT/a" --layers 8 --experts 32 --top-k 4 --hidden 512 --moe-hidden 512 \
     --dtype float32 --bits 4 > /dev/null 2>&1
 $ES synth --arch mixtral --out "$OUT/b" --layers 6 --experts 16 --top-k 2 --hidden 512 --moe-hidden 1024 \
