@@ -169,7 +169,7 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
                      memory_bytes: Optional[int] = None) -> HostConfig:
     """Parse and validate the whole file. check_models=False skips what reads the checkpoints
     (the footprint and MoE checks, memory admission): for tests of the schema alone."""
-    path = Path(path).expanduser().absolute()
+    path = Path(expand(str(path))).absolute()
     doc, text_hash = read_yaml(path)
     options = parse_options(path, doc.get(KEY))
     top_level = {k: v for k, v in doc.items() if k not in (KEY, "models")}

@@ -116,7 +116,9 @@ def header(model_dir: Path) -> str:
 def run_plan(args) -> int:
     import psutil
 
-    model_dir = Path(args.model_dir).expanduser()
+    from expert_stream.plugin.paths import resolve_model_path
+
+    model_dir = Path(resolve_model_path(args.model_dir))  # `~`, $VARS, or a hub id in the local HF cache
     if not model_dir.is_dir():
         raise ExpertStreamError(f"{model_dir}: not a folder; plan needs a local MLX checkpoint")
     memory = int(args.memory_gib * GIB) if args.memory_gib else psutil.virtual_memory().total
