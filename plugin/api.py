@@ -18,11 +18,14 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
     to run (refused otherwise).
     """
     from expert_stream.plugin import plugins
+    from expert_stream.plugin.hosts import prefill_step
+    from expert_stream.plugin.paths import resolve_model_path
     from expert_stream.streaming import loader
     from expert_stream.streaming.checkpoint import CheckpointIndex, NeededTensors
     from expert_stream.streaming.errors import NotMoEError
     from expert_stream.streaming.settings import StreamSettings
 
+    path = resolve_model_path(str(path))  # `~`, $VARS, or a hub id in the local HF cache
     pm = plugins.get_plugin_manager()
     where = f"expert_stream.load({str(path)!r})"
     if budget_gib is not None:
@@ -43,5 +46,7 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
         index=index if pipeline_group is None else None, pipeline_group=pipeline_group,
         trust_remote_code=trust_remote_code,
     )
+    prefill_step.install()  # mlx_lm.generate / stream_generate chunk prompts by its prefill_step
+    prefill_step.register(model, handle.settings.prefill_step)
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle

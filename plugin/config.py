@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from expert_stream.plugin import yaml_limits
+from expert_stream.plugin.paths import expand, looks_like_hub_id, resolve_model_path
 from expert_stream.streaming.errors import ExpertStreamError
 from expert_stream.streaming.settings import GIB, StreamSettings
 
@@ -30,6 +31,8 @@ KEY = "expert_stream"
 STREAMED_QUEUE_TIMEOUT_S = 3600
 # Memory kept free beside each model for its KV cache, MLX's buffer cache and the process.
 DEFAULT_HEADROOM_GIB = 1.0
+# Host entry keys that name files or folders (expanded like model_path).
+PATH_KEYS = frozenset({"adapter_path", "draft_model_path", "chat_template_file", "lora_paths"})
 
 
 class ConfigError(ExpertStreamError):
@@ -190,7 +193,7 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
                      memory_bytes: Optional[int] = None) -> HostConfig:
     """Parse and validate the whole file. check_models=False skips what reads the checkpoints
     (the footprint and MoE checks, memory admission): for tests of the schema alone."""
-    path = Path(path).expanduser().absolute()
+    path = Path(expand(str(path))).absolute()
     doc, text_hash = read_yaml(path)
     options = parse_options(path, doc.get(KEY))
     top_level = {k: v for k, v in doc.items() if k not in (KEY, "models")}
@@ -228,6 +231,16 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
     if "model_path" not in raw or not isinstance(raw["model_path"], str):
         raise ConfigError(f"{where}: model_path (a string) is required")
     host_entry = {k: v for k, v in raw.items() if k != KEY}
+    # The hosts take paths literally (`~` reached mlx-openai-server as a repo id): hand them
+    # expanded folders, and a cached hub id as its snapshot folder.
+    model_path = resolve_model_path(raw["model_path"])
+    host_entry["model_path"] = model_path
+    for key in PATH_KEYS & set(host_entry):
+        value = host_entry[key]
+        if isinstance(value, str):
+            host_entry[key] = expand(value)
+        elif isinstance(value, list):
+            host_entry[key] = [expand(v) if isinstance(v, str) else v for v in value]
     ids = [k for k in schema.id_aliases if k in host_entry]
     if len(ids) > 1:
         raise ConfigError(f"{where}: both {ids[0]} and {ids[1]} set; keep one")
@@ -251,6 +264,8 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
         if problem:
             raise ConfigError(f"{where}.{KEY}: {problem}")
         values = {**options.defaults, **(block if isinstance(block, dict) else {})}
+        if isinstance(values.get("warm_start"), str):
+            values["warm_start"] = expand(values["warm_start"])
         settings = _settings(where, values)
         if schema.queue_timeout_key:
             host_entry.setdefault(schema.queue_timeout_key, options.queue_timeout)
@@ -263,7 +278,7 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
     problem = schema.entry_check(host_entry) if schema.entry_check else None
     if problem:
         raise ConfigError(f"{where}: {problem}")
-    entry = ModelEntry(i, model_id, raw["model_path"], host_entry, settings, 0)
+    entry = ModelEntry(i, model_id, model_path, host_entry, settings, 0)
     if check_models:
         _check_model(where, entry)
     return entry
@@ -302,8 +317,10 @@ def _check_model(where: str, entry: ModelEntry) -> None:
                 entry.resident_bytes = 0  # the host will say what is wrong with it
         return
     if not model_dir.is_dir():
-        raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder; a streamed model "
-                          "must be a local MLX checkpoint (download it first)")
+        hint = (" and not a hub id in the local Hugging Face cache ($HF_HUB_CACHE)"
+                if looks_like_hub_id(entry.model_path) else "")
+        raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder{hint}; a streamed model "
+                          "must be a local MLX checkpoint (download it first, e.g. `hf download ID`)")
     try:
         refuse_model_file(model_dir, entry.host_entry.get("trust_remote_code") is True)  # before the footprint builds it
         index = CheckpointIndex(model_dir)

@@ -16,3 +16,36 @@ def cache_dir() -> Path:
         path = Path(base) / "expert-stream"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def expand(value: str) -> str:
+    """A path as a user writes it in a config: `~` and `$VAR` / `${VAR}` expanded."""
+    return os.path.expanduser(os.path.expandvars(value))
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """`org/name` as the Hugging Face hub spells a repository (not a relative folder that exists)."""
+    parts = value.split("/")
+    return (len(parts) == 2 and all(parts) and not value.startswith((".", "~", "$"))
+            and not Path(value).exists())
+
+
+def resolve_model_path(value: str) -> str:
+    """A model folder: `~` and variables expanded; a hub id (`mlx-community/Qwen3-30B-A3B-4bit`)
+    becomes its snapshot folder in the local Hugging Face cache ($HF_HUB_CACHE / $HF_HOME).
+    Nothing is downloaded: a hub id that is not cached stays as written (the caller says so)."""
+    path = expand(value)
+    if not looks_like_hub_id(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return path
+    # Read the cache location now, not at huggingface_hub's import: the caller's environment rules.
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+    try:
+        return snapshot_download(path, local_files_only=True, cache_dir=cache)
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return path

@@ -78,10 +78,17 @@ def most_used(trace: RoutingTrace, column: int, count: int) -> np.ndarray:
     return order[:count][uses[order[:count]] > 0]
 
 
+def _progress(items: list, what: str):
+    """A bar per layer on a terminal (a big model's warm start reads GBs); silent in logs."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, unit="layer", disable=None, leave=False)
+
+
 def preload(streams, trace: RoutingTrace, columns: list[int]) -> int:
     """Fill each layer's slots with its most used experts; returns the bytes read."""
     before = sum(s.cache.stats.bytes_read for s in streams)
-    for stream, column in zip(streams, columns):
+    for stream, column in _progress(list(zip(streams, columns)), "warm start"):
         top = most_used(trace, column, stream.cache.num_slots)
         top = top[top < stream.cache.num_experts]
         absent = top[~stream.cache.resident(top)]
@@ -98,7 +105,7 @@ def preload_all(streams) -> int:
         for stream in streams:
             everything = np.arange(stream.cache.num_experts)
             pending.append((stream, stream.start_reads(everything, protected=everything)))
-        for stream, reads in pending:
+        for stream, reads in _progress(pending, "loading resident layers"):
             before = stream.cache.stats.bytes_read
             stream.finish_reads(reads)
             total += stream.cache.stats.bytes_read - before

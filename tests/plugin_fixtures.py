@@ -166,11 +166,11 @@ def stock_greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
 class HostProcess:
     """A host started through `expert-stream` (or bare), in its own process group."""
 
-    def __init__(self, argv: list[str], base: str, log_path: Path, cwd: Path):
+    def __init__(self, argv: list[str], base: str, log_path: Path, cwd: Path, env: dict | None = None):
         self.base = base
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
                                         env=env, start_new_session=True)
         self.started = time.perf_counter()

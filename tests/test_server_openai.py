@@ -26,10 +26,12 @@ TIMINGS: dict = {}
 
 
 def config_text(models, port, entries, drain_timeout_s=300):
+    """The models are written as `~/NAME`, as the README writes them: the server runs with
+    HOME set to the checkpoints' folder (home_env)."""
     lines = [f"expert_stream: {{watch: true, poll_seconds: 0.3, debounce_seconds: 0.3, drain_timeout_s: {drain_timeout_s}}}",
              f"server: {{host: 127.0.0.1, port: {port}, log_level: WARNING}}", "models:"]
     for served, key, budget in entries:
-        lines.append(f"  - model_path: {models[key]}")
+        lines.append(f"  - model_path: ~/{models[key].name}")
         lines.append(f"    served_model_name: {served}")
         if budget is not None:
             lines.append(f"    expert_stream: {{budget_gib: {budget:.6f}, {SETTINGS}}}")
@@ -42,6 +44,11 @@ def models(tmp_path_factory):
     return {"moe": make_moe(root), "dense": make_dense(root)}
 
 
+def home_env(models) -> dict:
+    """HOME for `~/NAME`; the run file (for a bare `expert-stream status`) goes under it too."""
+    return {"HOME": str(models["moe"].parent), "EXPERT_STREAM_CACHE": str(models["moe"].parent / "cache")}
+
+
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("openai-server")
@@ -50,7 +57,7 @@ def server(models, tmp_path_factory):
     # 0.00005 GiB = 53 KB: 3 of 8 expert slots per layer, so experts are evicted all the time.
     path.write_text(config_text(models, port, [("moe", "moe", 0.00005), ("dense", "dense", None)]))
     host = HostProcess(expert_stream_argv("serve", "--config", str(path), "--no-log-file"),
-                       f"http://127.0.0.1:{port}", work / "server.log", work)
+                       f"http://127.0.0.1:{port}", work / "server.log", work, env=home_env(models))
     try:
         TIMINGS["start_s"] = host.wait_ready()
         yield host, path, port
@@ -78,13 +85,17 @@ def test_dense_model_is_untouched(server, models):
     assert dense["streamed"] is False and dense["stats"] is None
 
 
-def test_status_command(server, capsys):
+def test_status_command(server, models, capsys, monkeypatch):
     from expert_stream.plugin.cli import main
 
     host, _, _ = server
     assert main(["status", "--url", host.base]) == 0
     out = capsys.readouterr().out
     assert "moe: ready, streamed" in out and "dense: ready, stock" in out
+    # Bare: the server's address comes from the run file it wrote (its port is not 8000).
+    monkeypatch.setenv("EXPERT_STREAM_CACHE", home_env(models)["EXPERT_STREAM_CACHE"])
+    assert main(["status"]) == 0
+    assert "moe: ready, streamed" in capsys.readouterr().out
 
 
 def test_invalid_edit_keeps_serving_and_shows_the_error(server, models):
@@ -179,7 +190,7 @@ def test_bare_host_refuses_the_file(models, tmp_path):
     path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]).replace("served_model_name", id_key))
     bare = [sys.executable, "-c", "from app.main import main; main()"]
     host = HostProcess([*bare, "launch", "--config", str(path), "--no-log-file"],
-                       f"http://127.0.0.1:{port}", tmp_path / "bare.log", tmp_path)
+                       f"http://127.0.0.1:{port}", tmp_path / "bare.log", tmp_path, env=home_env(models))
     try:
         assert host.wait_exit(300) != 0
         assert "unexpected keyword argument 'expert_stream'" in host.log()

@@ -51,17 +51,23 @@ def demo_checkpoint() -> Path:
 
 
 def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> float:
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if process.poll() is not None:
-            raise ExpertStreamError(f"the server exited with code {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
+    # The host and its model process import mlx-lm, transformers and torch: 30-120 s on 2 cores.
+    with tqdm(desc="server starting", unit="s", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+        while time.perf_counter() - t0 < timeout:
+            if process.poll() is not None:
+                raise ExpertStreamError(f"the server exited with code {process.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+            bar.update(0)
+            bar.refresh()
     raise ExpertStreamError(f"the server did not answer within {timeout:.0f} s")
 
 

@@ -1,7 +1,9 @@
-"""`expert-stream plan MODEL_DIR`: what a checkpoint needs, and which budgets fit this machine.
+"""`expert-stream plan MODEL_DIR`: what a checkpoint needs, which budgets fit this machine, and
+what they decode at.
 
-Everything comes from the headers and a lazily built model (no weights read), plus one short
-measurement of the disk's read bandwidth on the checkpoint's own shards."""
+Sizes come from the headers and a lazily built model (no weights read); the speed from a short
+measurement of the disk's read bandwidth on the checkpoint's own shards, a timed decode with
+every expert resident (plan_prediction.py) and a miss curve (a trace, or labelled assumptions)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=32768, help="tokens of KV cache to leave room for")
     p.add_argument("--memory-gib", type=float, default=None, help="plan for this much memory (default: this machine)")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="skip the disk measurement, use this GB/s")
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="skip the compute measurement: ms per decode token with every expert resident")
+    p.add_argument("--trace", default=None, metavar="TRACE.npz",
+                   help="a routing trace of this model (expert-stream trace): miss rates from it instead of "
+                        "the uniform-routing assumption")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the Python file a config.json `model_file` names to run (refused otherwise)")
@@ -38,8 +45,10 @@ def kv_bytes_per_token(config: dict) -> int:
     return 2 * layers * kv_heads * head_dim * 2
 
 
-def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: float) -> dict:
+def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: float,
+              t_compute: float | None = None, trace: str | None = None) -> dict:
     from expert_stream.plugin import plugins
+    from expert_stream.plugin.cli import plan_prediction
     from expert_stream.streaming.checkpoint import CheckpointIndex
     from expert_stream.streaming.footprint import checkpoint_footprint
 
@@ -50,17 +59,36 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     room = memory_bytes - fp.trunk_bytes - kv - reserve
     row = fp.bytes_per_slot_row
     experts = max(fp.num_experts)
+    top_k = fp.top_k or 1
+    compute_source = "given" if t_compute is not None else None
+    if t_compute is None and fp.expert_bytes <= plan_prediction.ALL_RESIDENT_MAX_BYTES \
+            and fp.total_bytes + reserve <= memory_bytes:
+        t_compute = plan_prediction.measure_compute(model_dir, experts * row / GIB * 1.0001, forced=False)
+        compute_source = "timed with every expert in a slot"
+    elif t_compute is None and fp.trunk_bytes + fp.min_budget_bytes + reserve <= memory_bytes:
+        t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001, forced=True)
+        compute_source = "timed with the smallest budget, every lookup forced to hit (errs slow)"
+    all_slots = sorted(s for s in {top_k, 2 * top_k, experts // 8, experts // 4, experts // 2, experts}
+                       if top_k <= s <= experts)
+    from_trace = plan_prediction.trace_miss_rates(trace, [s / experts for s in all_slots]) if trace else None
     budgets = []
-    for slots in sorted({fp.top_k or 1, 2 * (fp.top_k or 1), experts // 8, experts // 4, experts // 2, experts}):
-        if slots < (fp.top_k or 1) or slots > experts:
-            continue
+    for slots in all_slots:
         budget = slots * row
-        # Uniform routing (the pessimistic case): a token's expert is resident with p = slots / experts.
-        miss_bytes = fp.token_expert_bytes * (1 - slots / experts)
-        tok_s = (bandwidth_gbps * 1e9 / miss_bytes) if miss_bytes else None
+        if from_trace:
+            miss_low, miss_high = from_trace[slots / experts]
+            curve = "trace: default policy .. LRU"
+        else:
+            # Uniform routing (conservative): a token's expert is resident with p = slots / experts.
+            miss_low, miss_high = 0.0, 1 - slots / experts
+            curve = "assumed: repeating routing (compute only) .. uniform routing (conservative)"
+        if t_compute is None:  # the trunk and the smallest budget do not fit: nothing to time
+            slow = fast = 0.0
+        else:
+            slow, fast = plan_prediction.predict(t_compute, fp.token_expert_bytes, bandwidth_gbps, miss_low, miss_high)
         budgets.append({"slots_per_layer": slots, "budget_gib": round(budget / GIB, 4), "fits": budget <= room,
-                        "miss_gb_per_token": round(miss_bytes / 1e9, 4),
-                        "io_bound_tok_s": round(tok_s, 2) if tok_s else "no reads (all resident)"})
+                        "miss_rate": [round(miss_low, 4), round(miss_high, 4)],
+                        "miss_gb_per_token": round(miss_high * fp.token_expert_bytes / 1e9, 4),
+                        "tok_s": [round(slow, 2), round(fast, 2)], "miss_curve": curve})
     return {
         "model_dir": str(model_dir), "model_type": fp.model_type,
         "total_gib": round(fp.total_bytes / GIB, 3), "trunk_gib": round(fp.trunk_bytes / GIB, 3),
@@ -70,45 +98,71 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
         "memory_gib": round(memory_bytes / GIB, 2), "kv_cache_gib": round(kv / GIB, 3), "context": context,
         "reserve_gib": SYSTEM_RESERVE_GIB, "largest_budget_gib": round(max(room, 0) / GIB, 3),
         "fits_stock": fp.total_bytes + kv + reserve <= memory_bytes,
-        "disk_gbps": round(bandwidth_gbps, 3), "budgets": budgets,
+        "disk_gbps": round(bandwidth_gbps, 3),
+        "t_compute_ms": round(t_compute * 1e3, 3) if t_compute is not None else None,
+        "t_compute_source": compute_source,
+        "trace": str(trace) if trace else None, "budgets": budgets,
     }
+
+
+def header(model_dir: Path) -> str:
+    """The first line, from config.json and the shard headers alone (no mlx-lm import)."""
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+
+    index = CheckpointIndex(model_dir)
+    cfg = index.config.get("text_config") or index.config
+    return (f"model:    {model_dir} ({index.model_type}, {cfg.get('num_hidden_layers', '?')} layers, "
+            f"{index.total_bytes() / GIB:.3f} GiB on disk)")
 
 
 def run_plan(args) -> int:
     import psutil
 
-    model_dir = Path(args.model_dir).expanduser()
+    from expert_stream.plugin.paths import resolve_model_path
+
+    model_dir = Path(resolve_model_path(args.model_dir))  # `~`, $VARS, or a hub id in the local HF cache
     if not model_dir.is_dir():
         raise ExpertStreamError(f"{model_dir}: not a folder; plan needs a local MLX checkpoint")
     from expert_stream.streaming.remote_code import refuse_model_file
 
     refuse_model_file(model_dir, args.trust_remote_code)  # building the model would run it
     memory = int(args.memory_gib * GIB) if args.memory_gib else psutil.virtual_memory().total
+    if not args.json:
+        print(header(model_dir), flush=True)
     bandwidth = args.bandwidth_gbps
     if bandwidth is None:
         from expert_stream.streaming.checkpoint import CheckpointIndex
         from expert_stream.streaming.disk_bandwidth import measure_read_bandwidth
 
+        print("measuring the disk's read bandwidth on the shards ...", file=sys.stderr, flush=True)
         files = CheckpointIndex(model_dir).files
         total = min(256 << 20, sum(f.stat().st_size for f in files))
         bandwidth = measure_read_bandwidth(files, total_bytes=total,
                                            block_bytes=min(4 << 20, max(total // 16, 4096)))["gbps"]
-    plan = make_plan(model_dir, args.context, memory, bandwidth)
+    if args.compute_ms is None:
+        print("timing decode steps with every expert resident ...", file=sys.stderr, flush=True)
+    plan = make_plan(model_dir, args.context, memory, bandwidth,
+                     t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace)
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()
         return 0
-    print(f"model:    {plan['model_dir']} ({plan['model_type']}, {plan['moe_layers']} MoE layers x "
-          f"{plan['experts_per_layer']} experts, top-{plan['top_k']})")
+    print(f"layout:   {plan['model_type']}, {plan['moe_layers']} MoE layers x {plan['experts_per_layer']} experts, "
+          f"top-{plan['top_k']}")
     print(f"size:     {plan['total_gib']} GiB = trunk {plan['trunk_gib']} GiB + experts {plan['expert_gib']} GiB")
     print(f"memory:   {plan['memory_gib']} GiB; KV cache for {plan['context']} tokens {plan['kv_cache_gib']} GiB; "
           f"reserve {plan['reserve_gib']} GiB")
     print(f"stock:    {'fits' if plan['fits_stock'] else 'does not fit'} in memory")
     print(f"budget:   smallest {plan['min_budget_gib']} GiB, largest that fits {plan['largest_budget_gib']} GiB")
     print(f"disk:     {plan['disk_gbps']} GB/s measured")
-    print("budgets (uniform routing, I/O bound; real routing is skewed and does better):")
+    if plan["t_compute_ms"] is None:
+        print("compute:  not measured: the trunk and the smallest budget do not fit in memory")
+    else:
+        print(f"compute:  {plan['t_compute_ms']} ms per token with every expert resident "
+              f"({plan['t_compute_source']})")
+    print(f"decode tok/s by budget; miss rates {plan['budgets'][0]['miss_curve']}:")
     for b in plan["budgets"]:
         print(f"  {b['budget_gib']:>10} GiB  {b['slots_per_layer']:>4} slots/layer  "
-              f"{'fits' if b['fits'] else 'too big':>7}  {b['miss_gb_per_token']} GB read/token  "
-              f"-> {b['io_bound_tok_s']} tok/s")
+              f"{'fits' if b['fits'] else 'too big':>7}  miss {b['miss_rate'][0]:.1%}-{b['miss_rate'][1]:.1%}  "
+              f"-> {b['tok_s'][0]}-{b['tok_s'][1]} tok/s")
     return 0

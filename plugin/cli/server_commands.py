@@ -43,7 +43,9 @@ def register(sub) -> None:
     plan_command.register(sub)
 
     p = sub.add_parser("status", help="ask a running server (started through expert-stream) for its status")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--url", default=None, help="the server's base URL (default: the running server started "
+                   "through expert-stream, from its run file)")
+    p.add_argument("--config", default=None, help="the config the server was started with (picks that server)")
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
     p.add_argument("--reload", action="store_true", help="ask it to reload its config first")
     p.set_defaults(func=run_status)
@@ -116,8 +118,51 @@ def fetch_json(url: str, method: str = "GET", timeout: float = 30.0) -> dict:
                                 "through `expert-stream serve` / `mlx-lm-server`?") from None
 
 
+def server_url(url, config) -> str:
+    """--url, else the one running server (serving --config, if given) that left a run file."""
+    if url:
+        return url.rstrip("/")
+    from expert_stream.plugin import run_files
+
+    found = run_files.running(config)
+    which = f" serving {config}" if config else ""
+    if not found:
+        raise ExpertStreamError(f"no server{which} started through `expert-stream serve` / `mlx-lm-server` is "
+                                f"running (run files in {run_files.servers_dir()}); pass --url for another one")
+    if len(found) > 1:
+        listing = "; ".join(f"{r['url']} ({r['config']})" for r in found)
+        raise ExpertStreamError(f"{len(found)} servers{which} are running: {listing}; pick one with --url or --config")
+    return found[0]["url"].rstrip("/")
+
+
+def model_line(model_id: str, model: dict) -> str:
+    """One model of the status, as `status` prints it."""
+    line = f"  {model_id}: {model['state']}"
+    if model["streamed"]:
+        line += f", streamed, budget {model['settings']['budget_gib']} GiB"
+        stats = model.get("stats") or {}
+        totals = stats.get("totals")
+        layers = stats.get("streamed_layers", 0) + stats.get("resident_layers", 0)
+        # A layer whose slots hold all its experts never looks anything up: no hits, no misses.
+        held = stats.get("resident_layers", 0) + sum(
+            1 for layer in (stats.get("layers") or {}).values()
+            if not layer.get("hits") and not layer.get("misses") and layer.get("resident_calls"))
+        if totals and not totals["hits"] and not totals["misses"] and held:
+            line += f", every expert resident ({layers} MoE layers, nothing read)"
+        elif totals:
+            line += (f", hit rate {totals['hit_rate']:.1%}, {totals['misses']} misses, "
+                     f"{totals['bytes_read'] / 1e9:.3f} GB read")
+            if held:
+                line += f", {held} of {layers} MoE layers hold every expert"
+    else:
+        line += ", stock"
+    if model.get("error"):
+        line += f" ({model['error']})"
+    return line
+
+
 def run_status(args) -> int:
-    base = args.url.rstrip("/")
+    base = server_url(args.url, args.config)
     if args.reload:
         result = fetch_json(base + "/expert-stream/reload", method="POST", timeout=3600)
         print("reload:", "ok" if result.get("ok") else f"refused: {result.get('error')}")
@@ -132,16 +177,5 @@ def run_status(args) -> int:
     if status.get("last_error"):
         print(f"error:    {status['last_error']}")
     for model_id, model in status["models"].items():
-        line = f"  {model_id}: {model['state']}"
-        if model["streamed"]:
-            line += f", streamed, budget {model['settings']['budget_gib']} GiB"
-            totals = (model.get("stats") or {}).get("totals")
-            if totals:
-                line += (f", hit rate {totals['hit_rate']:.1%}, {totals['misses']} misses, "
-                         f"{totals['bytes_read'] / 1e9:.3f} GB read")
-        else:
-            line += ", stock"
-        if model.get("error"):
-            line += f" ({model['error']})"
-        print(line)
+        print(model_line(model_id, model))
     return 0

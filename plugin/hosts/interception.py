@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from expert_stream.plugin.hosts import prefill_step
+
 log = logging.getLogger("expert_stream")
 
 
@@ -48,7 +50,7 @@ def check() -> list[str]:
     for name in ("model_path", "lazy"):
         if name not in params:
             problems.append(f"mlx_lm.utils.load_model has no `{name}` parameter (mlx-lm {mlx_lm.__version__})")
-    return problems
+    return problems + prefill_step.check()
 
 
 def install() -> None:
@@ -67,6 +69,7 @@ def install() -> None:
         _original = mlx_lm.utils.load_model
         _signature = inspect.signature(_original)
         mlx_lm.utils.load_model = _load_model
+    prefill_step.install()
 
 
 def set_targets(targets: dict) -> None:
@@ -88,6 +91,7 @@ def forget(model_id: str) -> None:
     if handle is not None:
         from expert_stream.plugin import plugins
 
+        prefill_step.unregister(handle.model)
         plugins.get_plugin_manager().hook.model_unloading(
             model_id=model_id, model_path=str(handle.model_path), handle=handle)
         handle.close()
@@ -133,7 +137,9 @@ def _load_streamed(bound, target: Target):
         old = _handles.pop(target.model_id, None)
         _handles[target.model_id] = handle
     if old is not None:
+        prefill_step.unregister(old.model)
         old.close()
+    prefill_step.register(model, settings.prefill_step)
     log.info("expert-stream: %s streams %s with a %.3f GiB budget", target.model_id, model_path,
              settings.budget_gib)
     pm.hook.model_loaded(model_id=target.model_id, model_path=str(model_path), handle=handle)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from expert_stream.plugin import run_files
 from expert_stream.plugin.config import (
     ConfigError,
     HostConfig,
@@ -50,7 +52,9 @@ log = logging.getLogger("expert_stream")
 
 STATUS_PATH = "/expert-stream/status"
 RELOAD_PATH = "/expert-stream/reload"
+MODELS_PATH = "/v1/models"
 TESTED_VERSIONS = ("0.31.3", "0.32.2")
+SHUTDOWN_GRACE_S = 3.0  # after SIGINT, before requests still running are cut off
 
 
 class MlxLmServerHost:
@@ -121,11 +125,40 @@ class MlxLmServerHost:
         try:
             signal.signal(signal.SIGHUP, lambda *_: threading.Thread(
                 target=state.reload, args=("SIGHUP",), daemon=True).start())
+            signal.signal(signal.SIGINT, _stop_on_interrupt)
         except (ValueError, AttributeError):
             pass
+        run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
         log.info("expert-stream: serving %s through mlx_lm.server (mlx-lm %s)", config.path, internals.version)
         internals.server.main()
         return 0
+
+
+def _stop_on_interrupt(signum, frame):
+    """Ctrl-C: mlx_lm.server stops its HTTP loop, then joins its generation thread, which
+    finishes the request in flight first (minutes for a long one). Give it a few seconds, then
+    end the process: open connections are cut, so their clients get an error, not a hang."""
+    def exit_later():
+        time.sleep(SHUTDOWN_GRACE_S)
+        log.warning("expert-stream: mlx_lm.server did not stop within %.0f s of SIGINT; cutting off "
+                    "the requests in flight", SHUTDOWN_GRACE_S)
+        run_files.remove_own()
+        os._exit(130)
+
+    threading.Thread(target=exit_later, name="expert-stream-stop", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends it at once
+    raise KeyboardInterrupt
+
+
+def _listen_address(argv: list[str]) -> tuple[str, int]:
+    """mlx_lm.server's --host and --port (its defaults: 127.0.0.1, 8080)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    known, _ = parser.parse_known_args(argv)
+    return known.host, known.port
 
 
 def _check_unique_folders(config: HostConfig) -> None:
@@ -258,7 +291,11 @@ class LmServerState:
             return bool(why)
 
         def do_GET(self):
-            if self.path.split("?")[0] == STATUS_PATH:
+            route = self.path.split("?")[0]
+            if route == MODELS_PATH or route.startswith(MODELS_PATH + "/"):
+                # The host lists models of the Hugging Face cache; what it serves is the config.
+                return reply(self, 200, state.models_list(route[len(MODELS_PATH) + 1:] or None))
+            if route == STATUS_PATH:
                 return refused(self, STATUS_PATH) or reply(self, 200, redact_errors(state.status()))
             return original_get(self)
 
@@ -336,6 +373,13 @@ class LmServerState:
                       [("added", m) for m in added]
             plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=applied, error=None)
             return {"ok": True, "applied": applied, "last_reload": self.record.last_reload}
+
+    def models_list(self, only=None) -> dict:
+        """/v1/models as mlx_lm.server shapes it, with the configured served names."""
+        with self.lock:
+            ids = [e.model_id for e in self.config.entries]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": int(self.record.applied_at or 0)}
+                                           for i in ids if only is None or i == only]}
 
     def status(self) -> dict:
         from expert_stream.plugin.hosts import interception

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from expert_stream.plugin import run_files
 from expert_stream.plugin.config import (
     ConfigError,
     HostConfig,
@@ -175,6 +176,9 @@ class OpenAIServerHost:
         host_file = workdir / "host-config.yaml"
         host_file.write_text(config.host_yaml())
         _install(internals, state)
+        server = config.top_level.get("server") or {}
+        run_files.write(run_files.local_url(server.get("host", "0.0.0.0"), int(server.get("port", 8000))),
+                        config.path, self.name)
         log.info("expert-stream: serving %s through %s %s", config.path, self.name, internals.version)
         try:
             internals.cli.cli.main(args=["launch", "--config", str(host_file), *rest],
