@@ -54,9 +54,9 @@ class StreamSettings:
     overlap: bool = True
     # Run a decode step as one graph (no sync per layer), its routing checked a group of layers
     # at a time; a step that met a miss is rewound, its misses read, and run again
-    # (streaming/speculation.py). None: on, except with skip_miss_below, which acts where a miss
-    # is met layer by layer.
-    speculate: Optional[bool] = None
+    # (streaming/speculation.py). Off by default: on replayed real routing it lost to the
+    # layer-by-layer path at every budget it ran at (README, Measured).
+    speculate: bool = False
     # Streamed layers per routing check inside a speculative pass: a group that met a miss ends
     # the pass there (streaming/pass_checks.py). 0: check once, when the pass ends.
     speculate_check_every: int = 4
@@ -95,7 +95,7 @@ class StreamSettings:
         if self.speculate and self.skip_miss_below is not None:
             raise SettingsError(
                 "speculate: true cannot go with skip_miss_below (skipping a miss needs the layer-by-layer "
-                "path); leave speculate unset or false"
+                "path); leave speculate off"
             )
         _check_ranges(self)  # after the checks above, whose messages say more
         from .policy import POLICIES  # names registered there, plugins' included
@@ -110,8 +110,8 @@ class StreamSettings:
 
     @property
     def speculates(self) -> bool:
-        """Whether decode steps run speculatively (the `speculate` setting, resolved)."""
-        return self.skip_miss_below is None if self.speculate is None else self.speculate
+        """Whether decode steps run speculatively."""
+        return self.speculate
 
     @property
     def exact(self) -> bool:

@@ -138,7 +138,7 @@ def test_kimi_k3_without_latent_moe_is_exact_under_speculation(checkpoints):
     from exactness import assert_same_logits, load_pair, prompt_ids
 
     path = checkpoints("kimi_k3", overrides={"routed_expert_hidden_size": None})
-    stock, streamed, handle = load_pair(path)
+    stock, streamed, handle = load_pair(path, speculate=True)
     assert all(s.lookahead is not None for s in handle.streams[:-1])
     assert_same_logits(stock, streamed, prompt_ids(70, seed=3), decode_steps=16, chunk=32)
     spec = handle.stats()["speculation"]

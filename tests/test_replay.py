@@ -55,7 +55,7 @@ def test_real_trace_stock_and_streamed_bitwise(checkpoints):
     thrown passes rerun on the same rows."""
     path = checkpoints("qwen3_moe", layers=3, experts=60, top_k=4)
     trace = load_trace(QWEN15)
-    stock, streamed, handle, replay = _replay_both(path, trace, row=1380, slots=5)
+    stock, streamed, handle, replay = _replay_both(path, trace, row=1380, slots=5, speculate=True)
     assert_same_logits(stock, streamed, prompt_ids(40), decode_steps=10, chunk=16)
     spec = handle.stats()["speculation"]
     assert spec["passes_thrown"] > 0  # reruns happened, and saw the same rows (bitwise above)

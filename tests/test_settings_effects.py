@@ -145,7 +145,7 @@ def test_prefetch_off_links_no_lookahead(moe):
 
 def test_speculate_check_every_sets_the_group_size(moe):
     for every in (1, 0):
-        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, speculate_check_every=every)
+        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, speculate=True, speculate_check_every=every)
         assert handle.speculation.checks.every == every
         handle.close()
 

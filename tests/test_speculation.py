@@ -44,7 +44,7 @@ def test_kept_and_failed_steps_equal_stock(checkpoints, arch, overrides, share, 
     short, before later layers are built: five layers, so that some are never reached);
     passes checked at their end run whole."""
     path = checkpoints(arch, layers=5, overrides=overrides) if overrides else checkpoints(arch, layers=5)
-    stock, streamed, handle = load_pair(path, slots=slots_for(path, share))
+    stock, streamed, handle = load_pair(path, slots=slots_for(path, share), speculate=True)
     handle.speculation.adaptive = False  # speculate every step, whatever it costs here
     handle.speculation.checks.every = check_every
     decode_side_by_side(stock, streamed)
@@ -79,7 +79,7 @@ def test_misses_found_by_a_thrown_away_pass_count_as_misses(checkpoints):
 def test_kept_step_takes_no_layer_sync(checkpoints):
     """After a kept step every streamed layer ran the speculative path and counted its hits."""
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75))
+    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75), speculate=True)
     handle.speculation.adaptive = False
     decode_side_by_side(stock, streamed, steps=24)
     before = handle.stats()
@@ -101,7 +101,7 @@ def test_sliding_window_past_its_size_is_not_speculated(checkpoints):
     """gpt_oss with a 16-token window: once a step would wrap the rotating cache it cannot be
     rewound, so it runs layer by layer; before that it may be speculated. Exact throughout."""
     path = checkpoints("gpt_oss", overrides={"sliding_window": 16})
-    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75))
+    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75), speculate=True)
     handle.speculation.adaptive = False
     caches = decode_side_by_side(stock, streamed, prompt_len=6, steps=30)
     assert any(type(c) is kinds.RotatingKVCache and c.offset > c.max_size for c in caches)
@@ -112,7 +112,7 @@ def test_sliding_window_past_its_size_is_not_speculated(checkpoints):
 
 def test_off_leaves_the_model_class_alone(checkpoints):
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75), speculate=False)
+    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75))  # off by default
     assert type(streamed) is type(stock)
     assert handle.stats()["speculation"] is None
     decode_side_by_side(stock, streamed, steps=8)
@@ -121,7 +121,7 @@ def test_off_leaves_the_model_class_alone(checkpoints):
 
 def test_speculating_model_looks_like_stock(checkpoints):
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75))
+    stock, streamed, handle = load_pair(path, slots=slots_for(path, 0.75), speculate=True)
     assert isinstance(streamed, type(stock)) and type(streamed) is not type(stock)
     assert type(streamed).__name__ == type(stock).__name__
     assert type(streamed).__module__ == type(stock).__module__
@@ -163,7 +163,7 @@ def test_pauses_only_when_it_loses(checkpoints, layered_seconds, pauses):
     """Judged over JUDGE_AFTER speculative steps against the layer-by-layer time (here made
     free, or endless), speculation pauses for PAUSE_STEPS steps, or keeps going."""
     path = checkpoints("qwen3_moe")
-    stock, streamed, handle = load_pair(path)
+    stock, streamed, handle = load_pair(path, speculate=True)
     spec = handle.speculation
     timed = spec._time
     spec._time = lambda which, s: timed(which, layered_seconds if which == "layer_by_layer" else s)
