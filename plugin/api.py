@@ -21,6 +21,7 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
     from expert_stream.plugin.hosts import prefill_step
     from expert_stream.plugin.paths import resolve_model_path
     from expert_stream.streaming import loader
+    from expert_stream.streaming.architectures import check_streamable
     from expert_stream.streaming.checkpoint import CheckpointIndex, NeededTensors
     from expert_stream.streaming.errors import NotMoEError
     from expert_stream.streaming.settings import StreamSettings
@@ -34,6 +35,7 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
     # A pipeline rank may hold only its own layers' shards: index what is here to detect MoE.
     here = None if pipeline_group is None else NeededTensors(frozenset(), f"rank {pipeline_group.rank()}")
     index = CheckpointIndex(Path(path).expanduser(), needed=here)
+    check_streamable(index.model_type, index.model_dir)  # a family that cannot stream says so first
     if not pm.hook.detect_moe(index=index):
         raise NotMoEError(
             f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers (no "

@@ -69,7 +69,7 @@ def test_hub_id_under_hf_home_loads_through_the_python_api(tmp_path, moe, monkey
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model, tokenizer, handle = expert_stream.load(HUB_ID, budget_gib=0.001)
+    model, tokenizer, handle = expert_stream.load(HUB_ID, budget_gib=0.001, resident=False)
     try:
         assert handle.stats()["streamed_layers"] == 2
     finally:

@@ -46,7 +46,7 @@ def kv_bytes_per_token(config: dict) -> int:
 
 
 def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: float,
-              t_compute: float | None = None, trace: str | None = None) -> dict:
+              t_compute: float | None = None, trace: str | None = None, trust_remote_code: bool = False) -> dict:
     from expert_stream.plugin import plugins
     from expert_stream.plugin.cli import plan_prediction
     from expert_stream.streaming.checkpoint import CheckpointIndex
@@ -63,10 +63,12 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     compute_source = "given" if t_compute is not None else None
     if t_compute is None and fp.expert_bytes <= plan_prediction.ALL_RESIDENT_MAX_BYTES \
             and fp.total_bytes + reserve <= memory_bytes:
-        t_compute = plan_prediction.measure_compute(model_dir, experts * row / GIB * 1.0001, forced=False)
+        t_compute = plan_prediction.measure_compute(model_dir, experts * row / GIB * 1.0001, forced=False,
+                                                       trust_remote_code=trust_remote_code)
         compute_source = "timed with every expert in a slot"
     elif t_compute is None and fp.trunk_bytes + fp.min_budget_bytes + reserve <= memory_bytes:
-        t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001, forced=True)
+        t_compute = plan_prediction.measure_compute(model_dir, fp.min_budget_gib * 1.0001, forced=True,
+                                                       trust_remote_code=trust_remote_code)
         compute_source = "timed with the smallest budget, every lookup forced to hit (errs slow)"
     all_slots = sorted(s for s in {top_k, 2 * top_k, experts // 8, experts // 4, experts // 2, experts}
                        if top_k <= s <= experts)
@@ -142,7 +144,8 @@ def run_plan(args) -> int:
     if args.compute_ms is None:
         print("timing decode steps with every expert resident ...", file=sys.stderr, flush=True)
     plan = make_plan(model_dir, args.context, memory, bandwidth,
-                     t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace)
+                     t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace,
+                     trust_remote_code=args.trust_remote_code)
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()

@@ -23,7 +23,7 @@ COMPUTE_DECODE_STEPS = 16
 ALL_RESIDENT_MAX_BYTES = 4 << 30
 
 
-def measure_compute(model_dir: Path, budget_gib: float, forced: bool) -> float:
+def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remote_code: bool = False) -> float:
     """Seconds per decode token with every expert resident (forced: every lookup made a hit)."""
     import mlx.core as mx
     import numpy as np
@@ -32,7 +32,8 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool) -> float:
     import expert_stream
     from expert_stream.streaming.bench import _vocab
 
-    model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False)
+    model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False,
+                                          trust_remote_code=trust_remote_code)
     try:
         for stream in handle.streams:
             stream.forced_hits = forced
