@@ -94,3 +94,25 @@ def file_hash(path: Path) -> Optional[str]:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def refuse_reload(record: "ReloadRecord", path: Path, reason: str, exc: Exception) -> dict:
+    """A reload whose file did not validate (ConfigError) or whose validation failed (a plugin's
+    hook raising): record and log it, tell the plugins, and keep serving the applied config.
+    The same unchanged file is refused once, not on every poll."""
+    import logging
+
+    from expert_stream.plugin import plugins
+    from expert_stream.plugin.config import ConfigError
+
+    text_hash = file_hash(path)
+    if text_hash == record.failed_hash and reason == "file changed":
+        return {"ok": False, "error": record.last_error, "repeated": True}
+    message = str(exc) if isinstance(exc, ConfigError) else \
+        f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
+    record.fail(message, text_hash)
+    logging.getLogger("expert_stream").error(
+        "expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
+        exc_info=not isinstance(exc, ConfigError))
+    plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
+    return {"ok": False, "error": message}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,12 @@ def checkpoints(tmp_path_factory):
 def _quiet_tokenizers():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     yield
+
+
+@pytest.fixture
+def ckpt(checkpoints, tmp_path):
+    """A private copy of a small checkpoint that a test may damage."""
+    src = checkpoints("qwen3_moe", layers=2, shard_size_mb=1)
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst

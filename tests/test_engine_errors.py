@@ -21,15 +21,6 @@ from expert_stream.streaming.errors import (
 from expert_stream.streaming.footprint import checkpoint_footprint
 
 
-@pytest.fixture
-def ckpt(checkpoints, tmp_path):
-    """A private copy of a small checkpoint that a test may damage."""
-    src = checkpoints("qwen3_moe", layers=2, shard_size_mb=1)
-    dst = tmp_path / "model"
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _shards(path):
     return sorted(path.glob("model*.safetensors"))
 

@@ -18,14 +18,6 @@ from expert_stream.streaming.errors import CheckpointError, ShardChangedError
 from expert_stream.streaming.footprint import checkpoint_footprint
 
 
-@pytest.fixture
-def ckpt(checkpoints, tmp_path):
-    src = checkpoints("qwen3_moe", layers=2, shard_size_mb=1)
-    dst = tmp_path / "model"
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _expert_shard(handle):
     """The shard holding the first streamed layer's first expert tensor."""
     tensor = handle.streams[0].slots.tensors[0]

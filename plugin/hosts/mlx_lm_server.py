@@ -45,7 +45,6 @@ from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
     ReloadRecord,
-    file_hash,
 )
 
 log = logging.getLogger("expert_stream")
@@ -336,16 +335,9 @@ class LmServerState:
             try:
                 new = self.host.load_config(path, self.internals)
             except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
-                text_hash = file_hash(path)
-                if text_hash == self.record.failed_hash and reason == "file changed":
-                    return {"ok": False, "error": self.record.last_error, "repeated": True}
-                message = str(exc) if isinstance(exc, ConfigError) else \
-                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
-                self.record.fail(message, text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
-                          exc_info=not isinstance(exc, ConfigError))
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
-                return {"ok": False, "error": message}
+                from expert_stream.plugin.reload import refuse_reload
+
+                return refuse_reload(self.record, path, reason, exc)
             if new.text_hash == self.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}

@@ -35,7 +35,6 @@ from typing import Optional
 
 from expert_stream.plugin import run_files
 from expert_stream.plugin.config import (
-    ConfigError,
     HostConfig,
     HostSchema,
     diff,
@@ -362,18 +361,9 @@ class Reloader:
                 new = await asyncio.to_thread(load_host_config, path, self.state.schema)
                 _apply_server_flags(new, self.state.server_flags)
             except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
-                from expert_stream.plugin.reload import file_hash
+                from expert_stream.plugin.reload import refuse_reload
 
-                text_hash = file_hash(path)
-                if text_hash == self.record.failed_hash and reason == "file changed":
-                    return {"ok": False, "error": self.record.last_error, "repeated": True}
-                message = str(exc) if isinstance(exc, ConfigError) else \
-                    f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
-                self.record.fail(message, text_hash)
-                log.error("expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
-                          exc_info=not isinstance(exc, ConfigError))
-                plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
-                return {"ok": False, "error": message}
+                return refuse_reload(self.record, path, reason, exc)
             if new.text_hash == self.state.config.text_hash:
                 self.record.last_error = self.record.failed_hash = None  # back to the applied file
                 return {"ok": True, "unchanged": True, "applied": []}
