@@ -56,3 +56,28 @@ def redacting(raise_remote_error):
         return raise_remote_error(redact_errors(dict(response), keys=("message", "detail")))
 
     return raise_redacted
+
+
+def redacting_calls(call):
+    """Wraps a host function whose exceptions reach HTTP clients as text (mlx_lm.server's
+    `ResponseGenerator.generate`: a failed load or a read error of the first step becomes
+    `{"error": str(e)}`): the same exception type, its message redacted; the log keeps it whole."""
+    import functools
+    import logging
+
+    @functools.wraps(call)
+    def redacted_call(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            text = str(exc)
+            if redact(text) == text:
+                raise
+            logging.getLogger("expert_stream").error("expert-stream: request failed: %s", text)
+            try:
+                clean = type(exc)(redact(text))
+            except Exception:  # an exception type that takes other arguments
+                clean = RuntimeError(redact(text))
+            raise clean from None
+
+    return redacted_call

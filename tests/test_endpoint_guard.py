@@ -5,7 +5,6 @@ from loopback, as uvicorn does by default), the guard installed as the plugin in
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
@@ -122,3 +121,20 @@ def test_errors_for_clients_carry_no_paths_or_offsets():
     clean = redact_errors(status)
     assert "/home" not in clean["last_error"] and "/home" not in clean["models"]["qwen"]["error"]
     assert clean["models"]["qwen"]["model_path"] == "/home/ann/models/qwen"  # not an error: kept
+
+
+def test_host_calls_that_fail_reach_clients_redacted():
+    """mlx_lm.server turns an exception of ResponseGenerator.generate into {"error": str(e)}:
+    wrapped, the same type comes out with its paths and offsets gone."""
+    from expert_stream.plugin.redact import redacting_calls
+    from expert_stream.streaming.errors import ReadError
+
+    def generate(_request):
+        raise ReadError("short read: 4096 bytes at offset 123456 of /home/me/models/x/model-00001.safetensors")
+
+    with pytest.raises(ReadError) as caught:
+        redacting_calls(generate)("request")
+    assert "/home/me" not in str(caught.value) and "123456" not in str(caught.value)
+    assert "model-00001.safetensors" in str(caught.value)
+    with pytest.raises(KeyError):  # nothing to redact: the exception passes untouched
+        redacting_calls(lambda: {}["missing"])()

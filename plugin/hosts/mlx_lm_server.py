@@ -40,7 +40,7 @@ from expert_stream.plugin.config import (
 )
 from expert_stream.plugin.hosts.base import installed_version, parameter_names, refuse
 from expert_stream.plugin.endpoint_guard import refusal
-from expert_stream.plugin.redact import redact_errors
+from expert_stream.plugin.redact import redact_errors, redacting_calls
 from expert_stream.plugin.reload import (
     FileWatcher,
     ModelState,
@@ -84,13 +84,17 @@ class MlxLmServerHost:
         for method in ("do_GET", "do_POST", "do_OPTIONS"):
             if not callable(getattr(handler, method, None)):
                 problems.append(f"APIHandler.{method} is missing")
+        generator = getattr(server, "ResponseGenerator", None)
+        if not callable(getattr(generator, "generate", None)):
+            problems.append("ResponseGenerator.generate is missing")
         if not callable(getattr(server, "main", None)):
             problems.append("mlx_lm.server.main is missing")
         if getattr(server, "load", None) is not mlx_lm.utils.load:
             problems.append("mlx_lm.server does not load through mlx_lm.utils.load")
         problems += interception.check()
         refuse(self.name + " (mlx-lm)", version, problems)
-        return SimpleNamespace(version=version, server=server, Provider=provider, APIHandler=handler)
+        return SimpleNamespace(version=version, server=server, Provider=provider, APIHandler=handler,
+                               ResponseGenerator=generator)
 
     def schema(self, internals=None) -> HostSchema:
         version = internals.version if internals else self.version()
@@ -265,6 +269,8 @@ class LmServerState:
                 self.is_batchable = False  # one request at a time: batching collapses the hit rate
 
         Provider.__init__, Provider.load, Provider._load = __init__, load, _load
+        Generator = self.internals.ResponseGenerator
+        Generator.generate = redacting_calls(Generator.generate)  # errors reach clients as text
         self._patch_handler()
 
     def _patch_handler(self) -> None:
