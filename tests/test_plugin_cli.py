@@ -164,7 +164,6 @@ def test_help_answers_fast_without_importing_mlx_lm():
 
 
 def test_plan_prints_its_header_before_importing_mlx_lm(tmp_path):
-    import sys
     import time
 
     moe = make_moe(tmp_path)

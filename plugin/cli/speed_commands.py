@@ -74,6 +74,7 @@ def run_bench_command(args) -> int:
     from expert_stream.streaming.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
+    run = run_bench
     if args.memory_cap is not None:
         from expert_stream.streaming.capped_bench import run_bench_capped
         from expert_stream.streaming.memory_cap import MemoryCapError, unavailable_reason
@@ -81,7 +82,7 @@ def run_bench_command(args) -> int:
         reason = unavailable_reason()
         if reason is not None:
             raise MemoryCapError(f"--memory-cap {args.memory_cap}: {reason}")
-        run_bench = lambda cfg: run_bench_capped(cfg, args.memory_cap)  # noqa: E731
+        run = lambda cfg: run_bench_capped(cfg, args.memory_cap)  # noqa: E731
     budgets = [float(b) for b in args.sweep.split(",")] if args.sweep else [args.budget_gib]
     if args.plot:
         pyplot()  # fail before the runs, not after
@@ -94,7 +95,7 @@ def run_bench_command(args) -> int:
             disk_bytes=int(args.disk_gb * 1e9), known_t_compute=known,
             routing=Path(args.routing) if args.routing else None, trace_start=args.trace_start,
         )
-        reports.append(run_bench(cfg))
+        reports.append(run(cfg))
         # The compute floor and stock do not depend on the budget: measure them once.
         if "t_compute_s" in reports[-1]:
             known, stock = (reports[-1]["t_compute_s"], reports[-1]["t_compute_source"]), "no"
