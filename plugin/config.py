@@ -331,7 +331,7 @@ def _check_model(where: str, entry: ModelEntry) -> None:
         raise ConfigError(f"{where}: {model_dir} (model_type {index.model_type!r}) is not an MoE checkpoint: "
                           f"there are no routed experts to stream; remove its {KEY} block to serve it as the "
                           "host would")
-    entry.footprint = footprint(model_dir, plugins.architectures(pm))
+    entry.footprint = footprint(model_dir, plugins.architectures(pm), entry.host_entry.get("trust_remote_code") is True)
     fp = entry.footprint
     if entry.settings.budget_bytes < fp.min_budget_bytes:
         raise ConfigError(f"{where}.{KEY}.budget_gib: {entry.settings.budget_gib} GiB cannot hold one token's "
@@ -351,7 +351,7 @@ def _check_model(where: str, entry: ModelEntry) -> None:
 _FOOTPRINTS: dict = {}
 
 
-def footprint(model_dir: Path, architectures):
+def footprint(model_dir: Path, architectures, trust_remote_code: bool = False):
     """The engine's footprint (headers and a lazily built model), cached by the files' identity
     so a reload does not rebuild it for unchanged checkpoints."""
     from expert_stream.streaming.errors import NotMoEError
@@ -360,7 +360,7 @@ def footprint(model_dir: Path, architectures):
     key = (str(model_dir.resolve()), _dir_identity(model_dir))
     if key not in _FOOTPRINTS:
         try:
-            _FOOTPRINTS[key] = checkpoint_footprint(model_dir, architectures)
+            _FOOTPRINTS[key] = checkpoint_footprint(model_dir, architectures, trust_remote_code)
         except NotMoEError as exc:
             raise ConfigError(f"{exc}; remove its {KEY} block to serve it as the host would") from None
         except ExpertStreamError as exc:

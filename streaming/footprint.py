@@ -51,15 +51,18 @@ class Footprint:
 
 
 def checkpoint_footprint(
-    path: str | Path, architectures: list[ArchitectureSpec] | None = None
+    path: str | Path, architectures: list[ArchitectureSpec] | None = None, trust_remote_code: bool = False
 ) -> Footprint:
+    """Sizes of a checkpoint's trunk and experts, from its headers and a lazily built model
+    (`trust_remote_code`: the caller checked that its `model_file`, if any, may run)."""
     from mlx_lm.utils import load_model
 
     from .loader import expert_tensors
+    from .remote_code import trusted
 
     index = CheckpointIndex(path)
     check_streamable(index.model_type, index.model_dir)
-    model, _ = load_model(index.model_dir, lazy=True)
+    model, _ = load_model(index.model_dir, lazy=True, **trusted(load_model, trust_remote_code))
     spec = spec_for(index.model_type, architectures)
     blocks = find_expert_blocks(model, spec)
     if not blocks:

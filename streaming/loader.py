@@ -19,7 +19,7 @@ from .checkpoint import CheckpointIndex, NeededTensors
 from .errors import CheckpointError, NotMoEError, SettingsError
 from .handle import StreamHandle
 from .reader import ExpertReader
-from .remote_code import refuse_model_file
+from .remote_code import refuse_model_file, trusted
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
 from .speculation import DecodeSpeculation, install
@@ -82,13 +82,15 @@ def load_streamed(
     model_path = Path(path).expanduser()
     refuse_model_file(model_path, trust_remote_code)  # before mlx-lm can run it
     if pipeline_group is not None:
-        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config)
+        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config,
+                                   **trusted(load_model, trust_remote_code))
         index, settings = pipeline(model, model_path, settings, pipeline_group)
     else:
         if index is None:
             index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
         check_quantization(index)
-        model, config = load_model(model_path, lazy=True, model_config=model_config)
+        model, config = load_model(model_path, lazy=True, model_config=model_config,
+                                   **trusted(load_model, trust_remote_code))
     handle = attach(model, index, settings, architectures)
     mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
     handle.reader.verify()  # the trunk just read came from the shards the experts will come from

@@ -16,6 +16,16 @@ class RemoteCodeError(ExpertStreamError):
     """The checkpoint would run its own Python code and the caller did not allow it."""
 
 
+def trusted(load_model, trust_remote_code: bool) -> dict:
+    """Keyword arguments that let mlx-lm's `load_model` run a trusted `model_file`: mlx-lm 0.32
+    has its own `trust_remote_code` gate, 0.31 has none."""
+    import inspect
+
+    if trust_remote_code is True and "trust_remote_code" in inspect.signature(load_model).parameters:
+        return {"trust_remote_code": True}
+    return {}
+
+
 def refuse_model_file(model_dir: str | Path, trust_remote_code: bool = False) -> None:
     """Raise RemoteCodeError when config.json names a `model_file` and trust_remote_code is
     not True. A missing or unreadable config.json is left to the checkpoint index to report."""

@@ -26,10 +26,17 @@ pytestmark = pytest.mark.slow
 def _launch(tmp_path, path_pattern, settings, port, prompt, chunk=8, decode_steps=6):
     args = {"path": path_pattern, "settings": settings, "prompt": prompt, "chunk": chunk,
             "decode_steps": decode_steps, "out": str(tmp_path / "logits-{rank}.npy")}
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
+    cmd = [*_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
            str(port), "--python", sys.executable, str(HERE / "pipeline_worker.py"), json.dumps(args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE)
+
+
+def _mlx_launch() -> list[str]:
+    """MLX's own launcher (its `mlx.launch` console script), run by this interpreter."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "mlx.launch"][:1]
+    return [sys.executable, "-c", f"import sys; from {script.module} import {script.attr}; sys.exit({script.attr}())"]
 
 
 def _stock_logits(path, prompt, chunk=8, decode_steps=6):

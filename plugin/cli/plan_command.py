@@ -53,7 +53,7 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     from expert_stream.streaming.footprint import checkpoint_footprint
 
     index = CheckpointIndex(model_dir)
-    fp = checkpoint_footprint(model_dir, plugins.architectures())
+    fp = checkpoint_footprint(model_dir, plugins.architectures(), trust_remote_code)
     kv = kv_bytes_per_token(index.config) * context
     reserve = int(SYSTEM_RESERVE_GIB * GIB)
     room = memory_bytes - fp.trunk_bytes - kv - reserve
