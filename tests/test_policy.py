@@ -179,6 +179,7 @@ def test_no_policy_beats_belady(name):
 
 # -- the shared traces ---------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_simulator_reproduces_reference_table(name):
     trace = _shared(name)
@@ -201,6 +202,7 @@ def default_at_25():
     return out
 
 
+@pytest.mark.slow
 def test_default_beats_lru_clearly_at_25(default_at_25):
     # measured: llama4 ~21 %, qwen15 ~15 %, olmoe ~42 % of the gap; guard against regressions
     floors = {"llama4_maverick_mmlu": 0.15, "qwen15_moe_gsm8k_vllm_batched": 0.10,

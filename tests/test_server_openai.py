@@ -152,6 +152,7 @@ def test_hot_reload_while_a_streaming_request_is_in_flight(server, models):
     assert chat(host.base, "dense", PROMPT, 4)[0] == 404
 
 
+@pytest.mark.slow
 def test_request_cut_off_after_the_drain_timeout_gets_an_error(server, models):
     """A change that cannot wait: the in-flight request ends with an error chunk, not a hang."""
     host, path, port = server
@@ -240,6 +241,7 @@ def _requests_during_reload(host, path, text, count=30, clients=5):
     return {c: codes.count(c) for c in set(codes)}
 
 
+@pytest.mark.slow
 def test_failed_reloads_are_reported_and_requests_during_a_reload_wait(server, models):
     """Issue: `budget_gib: 1e+300` killed the watch task silently (later edits never applied,
     POST reload 500), and 41 of 150 requests sent during one reload got 503."""
