@@ -8,15 +8,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import asynccontextmanager
 
 import pytest
 
 from expert_stream.plugin.endpoint_guard import ControlGuard, host_name, loopback_address, refusal
 from expert_stream.plugin.redact import redact, redact_errors
-from plugin_fixtures import free_port
+from plugin_fixtures import free_port, http_status as get
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -60,15 +58,6 @@ def server():
     yield port
     server.should_exit = True
     thread.join(10)
-
-
-def get(url, headers=None, method="GET"):
-    request = urllib.request.Request(url, headers=headers or {}, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as exc:
-        return exc.code, {k.lower(): v for k, v in exc.headers.items()}
 
 
 def test_control_endpoints_answer_local_programs_only(server):
