@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from expert_stream.plugin import yaml_limits
-from expert_stream.plugin.paths import expand, looks_like_hub_id, resolve_model_path
+from expert_stream.plugin.paths import expand, is_folder, looks_like_hub_id, resolve_model_path
 from expert_stream.streaming.errors import ExpertStreamError
 from expert_stream.streaming.settings import GIB, StreamSettings
 
@@ -310,13 +310,13 @@ def _check_model(where: str, entry: ModelEntry) -> None:
 
     model_dir = Path(entry.model_path).expanduser()
     if not entry.streamed:
-        if model_dir.is_dir():
+        if is_folder(model_dir):
             try:
                 entry.resident_bytes = CheckpointIndex(model_dir).total_bytes()
             except ExpertStreamError:
                 entry.resident_bytes = 0  # the host will say what is wrong with it
         return
-    if not model_dir.is_dir():
+    if not is_folder(model_dir):
         hint = (" and not a hub id in the local Hugging Face cache ($HF_HUB_CACHE)"
                 if looks_like_hub_id(entry.model_path) else "")
         raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder{hint}; a streamed model "

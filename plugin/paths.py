@@ -23,11 +23,19 @@ def expand(value: str) -> str:
     return os.path.expanduser(os.path.expandvars(value))
 
 
+def is_folder(value: str | Path) -> bool:
+    """Path.is_dir that answers False for a name the OS refuses (too long, bad bytes)."""
+    try:
+        return Path(value).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def looks_like_hub_id(value: str) -> bool:
     """`org/name` as the Hugging Face hub spells a repository (not a relative folder that exists)."""
     parts = value.split("/")
     return (len(parts) == 2 and all(parts) and not value.startswith((".", "~", "$"))
-            and not Path(value).exists())
+            and not os.path.exists(value))  # os.path answers False where the OS refuses the name
 
 
 def resolve_model_path(value: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from expert_stream.plugin.config import ConfigError, load_host_config
 from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
-from plugin_fixtures import make_moe
+from plugin_fixtures import make_moe, needs_openai_server
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_plugin_options_out_of_range_are_refused_by_key(tmp_path, moe, schema, o
     ("    queue_size: 0\n", "queue_size: must be between 1 and"),
 ])
 def test_host_keys_are_checked_against_the_hosts_dataclass(tmp_path, moe, entry, message):
-    pytest.importorskip("app.server", reason="mlx-openai-server is not installed")
+    needs_openai_server()
     from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
 
     path = write(tmp_path, moe, entry=entry)

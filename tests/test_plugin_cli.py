@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from plugin_fixtures import ENGINE_SETTINGS, expert_stream_argv, make_moe
+from plugin_fixtures import ENGINE_SETTINGS, expert_stream_argv, make_moe, needs_openai_server
 
 
 def test_plan_reports_sizes_and_budgets(tmp_path, capsys):
@@ -77,7 +77,7 @@ def test_plan_refuses_a_dense_checkpoint(tmp_path, capsys):
 
 @pytest.mark.server
 def test_demo_end_to_end(tmp_path):
-    pytest.importorskip("app.server", reason="mlx-openai-server is not installed")
+    needs_openai_server()
     sets = [a for k, v in ENGINE_SETTINGS.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     env = {"EXPERT_STREAM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     result = subprocess.run(expert_stream_argv("demo", "--max-tokens", "8", *sets), capture_output=True,

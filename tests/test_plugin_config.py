@@ -10,7 +10,7 @@ import yaml
 from expert_stream.plugin.config import ConfigError, diff, load_host_config
 from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
 from expert_stream.plugin.reload import FileWatcher
-from plugin_fixtures import make_dense, make_moe
+from plugin_fixtures import make_dense, make_moe, needs_openai_server
 
 GIB = 1 << 30
 
@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def openai_schema():
-    pytest.importorskip("app.server", reason="mlx-openai-server is not installed")
+    needs_openai_server()
     from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
 
     return MLX_OPENAI_SERVER.schema()

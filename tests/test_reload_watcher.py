@@ -12,9 +12,9 @@ import pytest
 
 from expert_stream.plugin import plugins
 from expert_stream.plugin.hookspecs import hookimpl
-from plugin_fixtures import make_dense, make_moe
+from plugin_fixtures import make_dense, make_moe, needs_openai_server
 
-pytest.importorskip("app.server", reason="mlx-openai-server is not installed")
+needs_openai_server()
 
 
 class FailingValidation:

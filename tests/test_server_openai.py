@@ -14,11 +14,11 @@ import pytest
 
 from plugin_fixtures import (
     ENGINE_SETTINGS, HostProcess, chat, chat_text, control_endpoint_refusals, expert_stream_argv, free_port,
-    http_json, make_dense, make_moe, stock_greedy, stream_chat, wait_for,
+    http_json, make_dense, make_moe, needs_openai_server, stock_greedy, stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
-pytest.importorskip("app.server", reason="mlx-openai-server is not installed")
+needs_openai_server()
 
 PROMPT = "Tell me about solid state drives."
 SETTINGS = ", ".join(f"{k}: {json.dumps(v)}" for k, v in ENGINE_SETTINGS.items())
