@@ -93,7 +93,7 @@ def row(r: dict) -> list:
     else:
         result = "ok"
     mb = r.get("bytes_per_token")
-    return [r["run"], r["variant"], r["budget_gib"], r["slots_target"], r["cap_gib"] or "none",
+    return [r["run"], r["variant"], f"{r['budget_gib']:g}", r["slots_target"], r["cap_gib"] or "none",
             r.get("decode_tok_s"), r.get("stock_tok_s"), r.get("ratio_to_stock"), r.get("misses_per_token"),
             mb / 1e6 if mb is not None else None, r.get("read_gbps_run"), r.get("disk_gbps"),
             r.get("ratio_to_bound_run"), sim.get("lru"), sim.get("belady"), cap.get("peak_gb"), result]

@@ -67,8 +67,8 @@ def budget_for_share(ck: Path, share: float) -> tuple[float, int]:
 
     fp = checkpoint_footprint(ck)
     slots = min(max(fp.top_k or 1, round(share * max(fp.num_experts))), max(fp.num_experts))
-    # A hair over the exact figure: the budget's division into slots must not round down.
-    return round(fp.budget_gib_for_slots(slots) + 0.001, 3), slots
+    # Half a slot row over the exact figure: the budget's division into slots must not round down.
+    return round(fp.budget_gib_for_slots(slots + 0.5), 6), slots
 
 
 def cap_for(budget_gib: float, cap_extra: str) -> tuple[float | None, str]:
