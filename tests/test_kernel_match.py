@@ -2,7 +2,7 @@
 the kernel-choice rules of Metal and CUDA (streaming/kernel_match.py).
 
 The CPU computes every row the same way whatever the call's shape, so bits alone cannot show a
-wrong kernel here (on CUDA they did: tests/gpu/probe_rows.py). These tests run on the CPU with
+wrong kernel here (on CUDA they did: `git show d62b5b5:tests/gpu/probe_rows.py`). These tests run on the CPU with
 the streamed layers told they are on Metal or CUDA, record every gather_qmm call's shape, and
 check that for each forward call the set of kernels the streamed model's calls take is the one
 stock's calls take; logits stay bitwise equal on the CPU meanwhile."""
