@@ -25,7 +25,7 @@ class StreamSettings:
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
     policy: str = "default"
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
-    # None: on, except on CUDA where it measured harmful (streaming/lookahead.py).
+    # None: on, except on CUDA where it measured harmful (README, Measured).
     prefetch: Optional[bool] = None
     # At most this many reads of guessed experts per layer per token.
     prefetch_per_layer: int = 4

@@ -159,3 +159,36 @@ def test_layers_that_fit_stay_stock_layers(checkpoints):
         assert handle.stats()["resident_layers"] == 2 - streamed_layers
         assert_same_logits(stock, streamed, prompt_ids(12), decode_steps=3)
         handle.close()
+
+
+def test_each_call_takes_one_path_object(checkpoints):
+    """A layer holding every expert computes on the device (the resident path) unless routing is
+    being recorded; the benchmark's compute floor reads nothing while it is on; a layer with
+    fewer slots than experts goes layer by layer, and a prefill chunk needing more, the sweep."""
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    path = checkpoints("qwen3_moe", layers=2)
+    experts = checkpoint_footprint(path).num_experts[0]
+    stock, streamed, handle = load_pair(path, slots=experts, resident=False, prefetch=False)
+    layers = _streamed_layers(streamed)
+    assert_same_logits(stock, streamed, prompt_ids(12), decode_steps=3)
+    assert {layer.path_taken.name for layer in layers} == {"resident"}
+    assert handle.stats()["totals"]["resident_calls"] > 0
+    with handle.recording() as rec:
+        mx.eval(streamed(prompt_ids(3)))
+    assert {layer.path_taken.name for layer in layers} == {"layer_by_layer"}
+    assert rec.trace().ids.shape[0] == 3
+    handle.close()
+
+    stock, streamed, handle = load_pair(path, slots=4, prefetch=False)
+    layers = _streamed_layers(streamed)
+    mx.eval(streamed(prompt_ids(40)))
+    assert {layer.path_taken.name for layer in layers} == {"prefill_sweep"}
+    read = handle.reader.total_bytes
+    with handle.compute_only():
+        mx.eval(streamed(prompt_ids(1, seed=4)))
+        assert {layer.path_taken.name for layer in layers} == {"compute_floor"}
+    assert handle.reader.total_bytes == read  # no expert was read
+    mx.eval(streamed(prompt_ids(1, seed=4)))
+    assert {layer.path_taken.name for layer in layers} == {"layer_by_layer"}
+    handle.close()
