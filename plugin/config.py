@@ -20,8 +20,8 @@ import yaml
 
 from expert_stream.plugin import yaml_limits
 from expert_stream.plugin.paths import expand, is_folder, looks_like_hub_id, resolve_model_path
-from expert_stream.streaming.errors import ExpertStreamError
-from expert_stream.streaming.settings import GIB, StreamSettings
+from expert_stream.streaming.errors import ExpertStreamError, SettingsError
+from expert_stream.streaming.settings import GIB, StreamSettings, refuse_removed
 
 log = logging.getLogger("expert_stream")
 
@@ -166,6 +166,10 @@ def parse_options(path: Path, block: Any) -> PluginOptions:
         if low is not None and value is not None and not low <= value <= high:
             raise ConfigError(f"{where}.{name}: must be between {low} and {high}, got {value!r}")
     if "defaults" in block:
+        try:
+            refuse_removed(block["defaults"], f"{where}.defaults")
+        except SettingsError as exc:
+            raise ConfigError(str(exc)) from None
         unknown = sorted(map(str, set(block["defaults"]) - {f.name for f in dataclasses.fields(StreamSettings)}))
         if unknown:
             raise ConfigError(f"{where}.defaults: unknown setting(s) {', '.join(unknown)}; known: "

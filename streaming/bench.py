@@ -231,7 +231,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
 
     def start():
         page_cache.update(drop_checkpoint(_shards(cfg.model_dir)))
-        _reset_counters(handle)
+        handle.reset_stats()
 
     def first():
         at_first_token.update(handle.stats())
@@ -266,7 +266,6 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
         page_cache=page_cache,
         prefill_reads_per_missed_expert=_prefill_reads_per_miss(handle, at_first_token),
         lookahead=_lookahead_report(handle, replayed=routing is not None),
-        speculation=handle.stats()["speculation"],
         peak_rss_gb=peak_rss_bytes() / 1e9,
     )
     if routing:
@@ -280,11 +279,10 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
     elif not run_stock:
         why = "does not fit in memory" if cfg.stock == "auto" else "not requested"
         log(f"t_compute: same layers with forced hits (stock mlx-lm {why})")
-        for s in handle.streams:
-            s.forced_hits = True
-        forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32), handle.settings.prefill_step,
-                                  on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
-                                  replay=replay, start_row=routing.start if routing else 0)
+        with handle.compute_only():
+            forced = timed_generation(model, prompt[: min(64, prompt.size)], min(cfg.gen_tokens, 32),
+                                      handle.settings.prefill_step, on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
+                                      replay=replay, start_row=routing.start if routing else 0)
         report["t_compute_s"] = 1 / forced["decode_tok_s"]
         report["t_compute_source"] = "forced_hits"
     exact = handle.settings.exact
@@ -354,26 +352,13 @@ def finish(report: dict) -> dict:
     return report
 
 
-def _reset_counters(handle) -> None:
-    """Zero the counters before the timed run, keeping speculation's step-time averages: they
-    are its state, not counters. Wiped, speculation cannot judge itself again before its next
-    exploring step (one in 64), so a timed run of fewer steps keeps whatever the warm-up left
-    (paused, or speculating however much it loses)."""
-    spec = handle.speculation
-    times = (spec.stats.t_speculative, spec.stats.t_layer_by_layer) if spec is not None else None
-    handle.reset_stats()
-    if spec is not None:
-        spec.stats.t_speculative, spec.stats.t_layer_by_layer = times
-
-
 def _agreement(a: list[int], b: list[int]) -> float:
     n = min(len(a), len(b))
     return float(np.mean(np.array(a[:n]) == np.array(b[:n]))) if n else 0.0
 
 
 def _decode_misses_per_layer(handle, stats_at_first_token: dict) -> list[int]:
-    """Misses of each MoE layer after the first token, in layer order: where decode's misses
-    fall decides how much of a thrown speculative pass is rerun."""
+    """Misses of each MoE layer after the first token, in layer order."""
     before = stats_at_first_token["layers"]
     now = handle.stats()["layers"]
     return [now[s.name]["misses"] - before[s.name]["misses"] for s in handle.streams]
@@ -382,8 +367,7 @@ def _decode_misses_per_layer(handle, stats_at_first_token: dict) -> list[int]:
 def _prefill_reads_per_miss(handle, stats_at_first_token: dict) -> float:
     """Bytes read during prefill over the bytes of the experts it missed: 1.0 when each missing
     expert was read once per chunk. mlx-lm builds the first decode step before the first token
-    is out, so that step's lookahead reads and a thrown-away speculative pass's reads of
-    experts the step then did not use add a little."""
+    is out, so that step's lookahead reads add a little."""
     size = {p.path: p.expert_bytes for p in handle.plans}
     layers = stats_at_first_token["layers"]
     missed = sum(layers[name]["misses"] * size[name] for name in layers)
@@ -396,6 +380,7 @@ def _lookahead_report(handle, replayed: bool = False) -> dict:
         st = s.cache.stats
         if st.guesses:
             per_layer[s.name] = round(st.guess_hits / st.guesses, 3)
+    lookaheads = [layer.layered.lookahead for layer in handle.layers]
     guesses = sum(s.cache.stats.guesses for s in handle.streams)
     hits = sum(s.cache.stats.guess_hits for s in handle.streams)
     reads = sum(s.cache.stats.prefetch_reads for s in handle.streams)
@@ -404,7 +389,7 @@ def _lookahead_report(handle, replayed: bool = False) -> dict:
         "guess_hit_rate": hits / guesses if guesses else None,
         "prefetch_reads": reads,
         "prefetch_used": used,
-        "layers_off": sum(1 for s in handle.streams if s.lookahead is not None and not s.lookahead.active),
+        "layers_off": sum(1 for look in lookaheads if look is not None and not look.active),
         "guess_hit_rate_per_layer": per_layer,
         # The probe applies the model's own router: under replay it cannot know the route.
         "note": "router-based guesses; under replay the router cannot know the replayed route" if replayed else "",

@@ -30,11 +30,12 @@ class LayerStats:
     evictions: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time the compute thread waited for reads
-    prefetch_reads: int = 0  # speculative reads issued by the lookahead
+    prefetch_reads: int = 0  # reads of guessed experts issued by the lookahead
     prefetch_hits: int = 0  # of those, experts a later call used before eviction
     guesses: int = 0  # experts the lookahead guessed for this layer
     guess_hits: int = 0  # of those, experts the layer then used
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots
+    overlap_calls: int = 0  # decode calls whose hits computed while their misses were read
     resident_calls: int = 0  # calls with every expert in a slot: no sync, hits not counted
     skipped_misses: int = 0  # lossy skip_miss_below: misses dropped instead of read
 
@@ -54,7 +55,8 @@ class ExpertCache:
         self.expert_in = np.full(num_slots, EMPTY, dtype=np.int32)
         self.incoming = np.full(num_slots, EMPTY, dtype=np.int32)  # reserved for a read in flight
         # Experts placed by a prefetch that no call has used yet (to score the lookahead).
-        self.speculative = np.zeros(num_experts, dtype=bool)
+        self.prefetched = np.zeros(num_experts, dtype=bool)
+        self.held = 0  # experts resident now
         self.policy = AccessOrder(make_policy(policy, num_experts, num_slots))
         self.curve = None  # budget.HitCurve while online budgets are on
         self.stats = LayerStats()
@@ -76,19 +78,17 @@ class ExpertCache:
             self.curve.record(needed)
         hit = self.resident(needed)
         self.stats.hits += int(hit.sum())
-        used_spec = needed[hit & self.speculative[needed]]
+        used_spec = needed[hit & self.prefetched[needed]]
         if used_spec.size:
             self.stats.prefetch_hits += int(used_spec.size)
-            self.speculative[used_spec] = False
+            self.prefetched[used_spec] = False
         missing = needed[~hit]
         self.stats.misses += int(missing.size)
         return missing
 
-    def count_as_misses(self, count: int) -> None:
-        """`count` experts an access counted as hits were read for that same call (a
-        speculative decode pass found them missing before the pass that kept them)."""
-        self.stats.hits -= count
-        self.stats.misses += count
+    def holds_all(self) -> bool:
+        """Every expert of the layer sits in a slot: the table cannot change any more."""
+        return self.held == self.num_experts
 
     def place(self, experts: np.ndarray, protected: np.ndarray, prefetched: bool = False) -> np.ndarray:
         """Reserve a slot for each of `experts` (not resident, not being read), evicting others
@@ -116,12 +116,13 @@ class ExpertCache:
                 self.policy.on_evict(int(v))
             self.slot_of[victims] = EMPTY
             self.expert_in[victim_slots] = EMPTY
-            self.speculative[victims] = False
+            self.prefetched[victims] = False
             self.stats.evictions += need
+            self.held -= need
             self.version += 1
             slots[n_free:] = victim_slots
         self.incoming[slots] = experts
-        self.speculative[experts] = prefetched
+        self.prefetched[experts] = prefetched
         for e in experts:
             self.policy.on_insert(int(e), prefetched)
         return slots
@@ -132,6 +133,7 @@ class ExpertCache:
         self.slot_of[experts] = slots
         self.expert_in[slots] = experts
         self.incoming[slots] = EMPTY
+        self.held += len(slots)
         self.version += 1
 
     def release(self, slots: np.ndarray) -> None:
@@ -139,7 +141,7 @@ class ExpertCache:
         experts = self.incoming[slots]
         experts = experts[experts != EMPTY]
         self.incoming[slots] = EMPTY
-        self.speculative[experts] = False
+        self.prefetched[experts] = False
         for e in experts:
             self.policy.on_evict(int(e))
 
@@ -155,7 +157,7 @@ class ExpertCache:
             victims = self.policy.choose_victims(self.expert_in[occupied], over, np.zeros(occupied.size, dtype=bool))
             for v in victims:
                 self.policy.on_evict(int(v))
-            self.speculative[victims] = False
+            self.prefetched[victims] = False
             self.stats.evictions += over
             occupied = occupied[~np.isin(self.expert_in[occupied], victims)]
         rows = np.full(num_slots, EMPTY, dtype=np.int32)
@@ -167,6 +169,7 @@ class ExpertCache:
         self.expert_in[: kept.size] = kept
         self.incoming = np.full(num_slots, EMPTY, dtype=np.int32)
         self.num_slots = num_slots
+        self.held = int(kept.size)
         self.policy.resize(num_slots)
         self.version += 1
         return rows

@@ -6,19 +6,18 @@ from contextlib import contextmanager
 
 from .cache import LayerStats
 from .recorder import TraceRecorder
-from .speculation import SpeculationStats
 
 
 class StreamHandle:
-    def __init__(self, index, settings, streams, plans, reader, model, warm_start_bytes=0, speculation=None):
+    def __init__(self, index, settings, layers, plans, reader, model, warm_start_bytes=0):
         self.index = index
         self.settings = settings
-        self.streams = streams  # LayerStream per streamed layer, in model order
+        self.layers = layers  # StreamedSwitch per streamed layer, in model order
+        self.streams = [layer.store for layer in layers]  # their ExpertStores
         self.plans = plans  # LayerPlan per MoE layer (streamed or resident)
         self.reader = reader
         self.model = model
         self.warm_start_bytes = warm_start_bytes  # read at load to preload the trace's experts
-        self.speculation = speculation  # DecodeSpeculation, unless settings.speculate is off
 
     @property
     def model_path(self):
@@ -48,7 +47,6 @@ class StreamHandle:
             "cache_bypass": self.reader.cache_bypass,
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
-            "speculation": self.speculation.stats.as_dict() if self.speculation else None,
             "layers": layers,
         }
 
@@ -68,11 +66,21 @@ class StreamHandle:
     def reset_stats(self) -> None:
         for s in self.streams:
             s.cache.stats = LayerStats()
-        if self.speculation is not None:
-            self.speculation.stats = SpeculationStats()
-        for s in self.streams:
-            if s.lookahead is not None:
-                s.lookahead.restart_windows()
+        for layer in self.layers:
+            if layer.layered.lookahead is not None:
+                layer.layered.lookahead.restart_windows()
+
+    @contextmanager
+    def compute_only(self):
+        """Benchmark: while the block runs, every expert lookup is a hit (expert e computes from
+        slot e % slots, no reads), to time the compute of a model too big for memory."""
+        for layer in self.layers:
+            layer.time_compute_only(True)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.time_compute_only(False)
 
     def close(self) -> None:
         self.reader.close()

@@ -22,8 +22,7 @@ from .reader import ExpertReader
 from .remote_code import refuse_model_file, trusted
 from .settings import GIB, StreamSettings
 from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
-from .speculation import DecodeSpeculation, install
-from .layer_stream import LayerStream
+from .expert_store import ExpertStore
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
 from .online_budget import OnlineBudget
@@ -122,9 +121,7 @@ def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group
                 f"budget_gib_by_rank has {len(by_rank)} entries for a pipeline of {group.size()} ranks"
             )
         settings = dataclasses.replace(settings, budget_gib=float(by_rank[rank]))
-    # A speculative step reruns a forward on one rank only: the ranks' sends and receives would
-    # no longer pair up. Each rank decodes layer by layer.
-    return index, dataclasses.replace(settings, speculate=False)
+    return index, settings
 
 
 def attach(
@@ -165,14 +162,14 @@ def attach(
     )
     write_mode = resolve_slot_write(settings.slot_write)
     scratch = ScratchPool(write_mode)
-    streams = []
+    layers = []
     for (path, block, tensors), plan in zip(layouts, plans):
         if plan.resident:
             continue  # stays a stock block; its lazy tensors load with the trunk
-        streams.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode, spec))
-        streams[-1].scratch = scratch
+        layers.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode, spec, scratch))
+    streams = [layer.store for layer in layers]
     if resolve_prefetch(settings.prefetch):
-        _link_lookahead(model, streams, spec, top_k, settings)
+        _link_lookahead(model, layers, spec, top_k, settings)
     full = [s for s in streams if s.cache.num_slots == s.cache.num_experts]
     warm_bytes = preload_all(full)  # a slot for every expert: load them now, as stock would
     if columns is not None:
@@ -182,16 +179,12 @@ def attach(
     for s in streams:
         s.cache.stats = LayerStats()  # the counters describe serving, not loading
     if settings.online_budget:
-        _link_online_budget(model, [s for s in streams if s not in full], top_k or 1)
-    speculation = None
-    if settings.speculates and any(not s.all_resident for s in streams):
-        speculation = DecodeSpeculation(streams, check_every=settings.speculate_check_every)
-        install(model, speculation)
+        _link_online_budget([layer for layer in layers if layer.store not in full], top_k or 1)
     log.info(
         "%s: streaming %d of %d expert layers, %d slots each",
         index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
     )
-    return StreamHandle(index, settings, streams, plans, reader, model, warm_bytes, speculation)
+    return StreamHandle(index, settings, layers, plans, reader, model, warm_bytes)
 
 
 def _warm_start_trace(settings, layer_paths):
@@ -209,36 +202,36 @@ def _warm_start_trace(settings, layer_paths):
     return trace, columns
 
 
-def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode, spec) -> LayerStream:
+def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_mode, spec, scratch) -> StreamedSwitch:
     slots = ExpertSlots(tensors, plan.num_slots, write_mode)
     block.update(tree_unflatten(list(slots.arrays.items())))  # drops the lazy expert arrays
     cache = ExpertCache(plan.num_experts, plan.num_slots, settings.policy)
-    stream = LayerStream(path, cache, slots, reader)
+    store = ExpertStore(path, cache, slots, reader)
     skipper = None
     if settings.skip_miss_below is not None:
         moe_block = module_at(model, path.rsplit(".", 1)[0])
         skipper = MissSkipper(moe_block, settings.skip_miss_below, spec.router)
-    layer = StreamedSwitch(block, stream, settings.overlap, skipper)
+    layer = StreamedSwitch(block, store, settings.overlap, skipper, scratch)
     model.update_modules(tree_unflatten([(path, layer)]))
-    return stream
+    return layer
 
 
-def _link_online_budget(model, streams, floor: int) -> None:
-    budget = OnlineBudget.for_streams(streams, floor)
+def _link_online_budget(layers, floor: int) -> None:
+    budget = OnlineBudget.for_streams([layer.store for layer in layers], floor)
     if budget is None:
         return
-    for s in streams:
-        s.cache.curve = HitCurve(s.cache.num_experts)
-        module_at(model, s.name).online_budget = budget
+    for layer in layers:
+        layer.store.cache.curve = HitCurve(layer.store.cache.num_experts)
+        layer.online_budget = budget
 
 
-def _link_lookahead(model, streams, spec, top_k, settings) -> None:
+def _link_lookahead(model, layers, spec, top_k, settings) -> None:
     """Each streamed layer guesses the experts of the next streamed layer."""
     router_hook = spec.router
-    for current, nxt in zip(streams, streams[1:]):
-        probe = make_probe(model, current.name, nxt.name, top_k or 1, router_hook)
+    for current, nxt in zip(layers, layers[1:]):
+        probe = make_probe(model, current.store.name, nxt.store.name, top_k or 1, router_hook)
         if probe is not None:
-            current.lookahead = Lookahead(probe, nxt, settings.prefetch_per_layer)
+            current.layered.lookahead = Lookahead(probe, nxt.store, settings.prefetch_per_layer)
 
 
 def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):

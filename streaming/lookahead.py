@@ -22,7 +22,7 @@ from .architectures import NORM_NAMES, ROUTER_NAMES
 MIN_GUESS_HIT_SHARE = 0.3
 # ... judged over windows of this many guessed experts,
 WINDOW_GUESSES = 128
-# A layer also turns it off when fewer than this share of its speculative reads were used
+# A layer also turns it off when fewer than this share of its reads of guessed experts were used
 # before eviction (a right guess that was already resident costs nothing; a read does) ...
 MIN_READ_PRECISION = 0.5
 # ... judged over windows of this many reads,
@@ -127,7 +127,7 @@ class Lookahead:
 
     def __init__(self, probe: RouterProbe, target, per_call: int):
         self.probe = probe
-        self.target = target  # the next layer's LayerStream
+        self.target = target  # the next layer's ExpertStore
         self.per_call = per_call
         self.active = True
         self._calls_off = 0
@@ -149,7 +149,6 @@ class Lookahead:
 
     def issue(self, guessed: np.ndarray) -> None:
         """Start reading the guessed experts the target lacks, most confident first."""
-        self.target.record_guess(guessed)
         self.target.prefetch(guessed, self.per_call)
         if _window_failed(self._counts(), self._window_start, WINDOW_GUESSES, MIN_GUESS_HIT_SHARE):
             self.active = False
@@ -179,12 +178,8 @@ def _window_failed(now, start, size, min_share) -> bool:
 
 
 def resolve_prefetch(setting) -> bool:
-    """The `prefetch` setting; None ("auto") is on, except on CUDA, where speculative reads
-    measured harmful on an H200 (Qwen3-30B-A3B shape, quarter budget, layer-by-layer decode):
-    11.9 tok/s with them against 14.8-16.9 without (other leases), reading 11.6 MB per token
-    instead of 4.2 (225 speculative reads, 90 used). Prefill was not hurt (89 tok/s); the 6
-    tok/s once blamed on them was a fresh process compiling CUDA kernels. With speculative
-    decode (streaming/speculation.py) most CUDA steps skip the layer-by-layer path anyway."""
+    """The `prefetch` setting; None ("auto") is on, except on CUDA, where reads of guessed
+    experts measured harmful (README, Measured)."""
     if setting is not None:
         return bool(setting)
     cuda = getattr(mx, "cuda", None)

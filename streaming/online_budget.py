@@ -2,11 +2,11 @@
 say (budget.HitCurve, budget.rebalance), with no trace needed.
 
 Every REBALANCE_EVERY calls of the first layer, new slot targets are set for all layers (same
-total). A layer reaches its target at its own next call on the layer-by-layer path (never
-inside a speculative pass, whose graph is built on the current slot arrays): a layer that
-shrinks evicts by its policy and gives its freed slots to a pool, and a layer that grows takes
-from that pool only, so the slots of all layers never exceed the budget. A resize copies the
-kept experts into new slot arrays (ExpertSlots.resize); graphs still pending keep the old ones.
+total). A layer reaches its target at its own next call whose routing comes to the host: a
+layer that shrinks evicts by its policy and gives its freed slots to a pool, and a layer that
+grows takes from that pool only, so the slots of all layers never exceed the budget. A resize
+copies the kept experts into new slot arrays (ExpertSlots.resize); graphs still pending keep
+the old ones.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class OnlineBudget:
         return cls(streams, floor)
 
     def apply(self, layer) -> None:
-        """Before `layer` (a StreamedSwitch) computes a call on the layer-by-layer path."""
-        stream = layer.stream
+        """Before `layer` (a StreamedSwitch) computes a call whose routing is on the host."""
+        stream = layer.store
         if stream is self.streams[0] and stream.cache.step >= self._next:
             self._next = stream.cache.step + REBALANCE_EVERY
             caches = [s.cache for s in self.streams]
@@ -54,15 +54,13 @@ class OnlineBudget:
             self.pool -= grow
 
     def _resize(self, layer, slots: int) -> None:
-        stream = layer.stream
+        stream = layer.store
         stream.await_prefetch()  # its bytes land in the current arrays
         stream.reap()
         self.moves += abs(slots - stream.cache.num_slots)
         rows = stream.cache.resize(slots)
         stream.slots.resize(rows)
         layer.inner.update(tree_unflatten(list(stream.slots.arrays.items())))
-        if not stream.all_resident:
-            stream.check_all_resident()
 
     def slots(self) -> list[int]:
         return [s.cache.num_slots for s in self.streams]

@@ -1,38 +1,25 @@
-"""Eviction policies for a layer's cache of expert slots.
+"""Eviction policies for a layer's cache of expert slots: which resident experts leave when a
+miss needs a slot. The engine's cache (cache.py) and the trace simulator (policy_sim.py) drive
+the same objects, so a policy is judged offline by the code that serves.
 
-The engine's per-layer cache drives a policy through these calls (this is the whole interface):
+The interface (all of it):
 
-    on_access(experts, step)    the distinct expert ids one forward call of this layer uses (hits
-                                and misses), once per call, BEFORE any eviction for that call;
-                                ``step`` counts this layer's calls (a prefill chunk is one call)
-    on_insert(expert, prefetched=False)   an expert was placed in a slot (``prefetched``: a
-                                speculative read that no call asked for yet)
+    on_access(experts, step)    the distinct experts one call of the layer uses, once per call,
+                                before any eviction for that call (``step`` counts the calls)
+    on_insert(expert, prefetched=False)   an expert was placed in a slot (``prefetched``: read
+                                for a lookahead guess, not yet asked for)
     on_evict(expert)            an expert left its slot
     choose_victims(resident, count, protected) -> ids
                                 ``count`` distinct ids from ``resident[~protected]``
-    resize(slots)               the layer's slot count changed (online budgets, budget.py)
+    resize(slots)               the layer's slot count changed (online budgets)
 
-These run per MoE layer per token on the decode path, so every call is a handful of numpy
-operations on arrays indexed by expert id (no per-call dicts, no Python loops over experts).
+These run per MoE layer per token, so each is a few numpy operations on arrays indexed by
+expert id. Time is counted in accesses (expert ids seen by ``on_access``) and every horizon is
+a multiple of the capacity C, so a constant means the same for any top-k and cache size.
 
-Time inside a policy is measured in *accesses* (the number of expert ids seen by ``on_access``),
-and every horizon is a multiple of the cache's capacity C, so one constant means the same thing
-for top-1 and top-8 models and for any cache size.
-
-Policies (``POLICIES``; ``make_policy(name, num_experts, capacity)``):
-
-- ``lru``: least recently used (the floor).
-- ``lfu``: aging LFU: exponentially decayed access count, half-life 64 C accesses.
-- ``lrfu``: the same decayed count with half-life 4 C (between LRU and LFU).
-- ``adaptive`` (= ``default``): a panel of those scores, horizons from pure recency to 128 C;
-  eviction follows the member whose virtual cache (its top C experts) would have held the most
-  of the recent calls' experts. Single-stream decode wants recency plus a short frequency
-  memory, batched serving wants long memory, and each loses to LRU on the other kind: the
-  panel follows whichever fits (``AdaptivePolicy``).
-
-All policies are deterministic (ties go to the least recently used expert). The engine wraps
-each in ``AccessOrder``, which keeps the call order the simulator uses when a speculative step
-places experts before it records their access. Measurements: the README's Measured section.
+``POLICIES``: ``lru``, ``lfu`` (decayed count, half-life 64 C), ``lrfu`` (half-life 4 C) and
+``adaptive`` (= ``default``: a panel of those, following whichever fits the recent calls).
+All are deterministic; ties go to the least recently used expert.
 """
 
 from __future__ import annotations
@@ -237,13 +224,10 @@ class AdaptivePolicy(EvictionPolicy):
 
 
 class AccessOrder:
-    """Holds a policy to its call order when a caller places experts before recording their
-    access: a speculative decode step reads what a thrown pass missed, and records the step's
-    accesses only when a pass is kept (streaming/speculation.py). An insert of an expert that
-    the latest access did not ask for is delivered after the next access, as the simulator
-    orders them. Without this the recency member of ``adaptive`` saw every miss as a hit of its
-    virtual cache and won every judgement: the engine's misses matched LRU's (about 0% of the
-    gap closed, against 15-42% for the same policy in the simulator)."""
+    """Holds a policy to the simulator's call order when experts are placed before the access
+    that asks for them (a warm start preloads the slots before any call): such an insert is
+    delivered after the next access, as the simulator orders it, instead of looking to a
+    recency score like a hit of the call that follows."""
 
     def __init__(self, policy: EvictionPolicy):
         self.policy = policy

@@ -18,8 +18,8 @@ The definition (it reproduces the reference table of ``shared/moe_traces/README.
   free slots, ``choose_victims(resident, n, protected)`` with the token's own experts protected
   (pinned), then ``on_evict`` per victim and ``on_insert`` per missed expert in ascending id
   order. Every miss is inserted (no bypass): after warm-up the cache stays full.
-  tests/test_policy.py replays traces through the engine's ``ExpertCache`` in the orders of its
-  layer-by-layer and speculative paths and checks it misses what this simulator misses.
+  tests/test_policy.py replays traces through the engine's ``ExpertCache`` (access first, and
+  placed first as a warm start does) and checks it misses what this simulator misses.
 - Hit rate of a layer = hits / accesses over the replayed decode tokens.
 - The trace's hit rate is the unweighted mean of its layers' hit rates, in percent.
 - Belady: on eviction, the unprotected resident whose next access (over the replayed tokens) is

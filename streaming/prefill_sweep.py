@@ -60,71 +60,79 @@ class ScratchPool:
         return sum(b.nbytes for pair in self._buffers.values() for b in pair)
 
 
-def sweep(layer, x: mx.array, ids: np.ndarray, needed: np.ndarray, do_sort: bool) -> mx.array:
-    stream = layer.stream
-    cache = stream.cache
-    cache.stats.sweep_calls += 1
-    stream.last_path = "sweep"
-    k = ids.shape[-1]
-    flat = ids.reshape(-1)
-    rows_of = token_rows(x)
-    uses = np.bincount(flat, minlength=cache.num_experts)
+class PrefillSweep:
+    """The path of a call that needs more experts than the layer has slots."""
 
-    missing = cache.access(needed)
-    resident = np.setdiff1d(needed, missing)
-    hottest = needed[np.argsort(-uses[needed], kind="stable")[: cache.num_slots]]
-    adopt = np.setdiff1d(hottest, resident)  # read into the slots they keep
-    cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
+    name = "prefill_sweep"
 
-    def compute(module, experts, slot_of, array_experts):
-        """Pairs of `experts`, from a tensor of `array_experts` experts (slots or scratch)."""
-        pos = np.flatnonzero(np.isin(flat, experts))
-        plan = layer.row_plan(flat.size, array_experts, do_sort)
-        ys, ps = call_pairs(module, rows_of, pos, slot_of(flat[pos]), k, do_sort, plan)
-        outputs.extend(ys)
-        positions.extend(ps)
-        return ys
+    def __init__(self, layer, scratch: ScratchPool | None):
+        self.layer = layer
+        self.scratch = scratch  # shared by the model's layers
 
-    outputs, positions = [], []
+    def __call__(self, x: mx.array, indices: mx.array, call) -> mx.array:
+        layer, store = self.layer, self.layer.store
+        cache = store.cache
+        ids, needed, do_sort = call.ids, call.needed, call.sorts
+        cache.stats.sweep_calls += 1
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        rows_of = token_rows(x)
+        uses = np.bincount(flat, minlength=cache.num_experts)
 
-    def from_cache(experts):
-        return cache.slot_of[experts]
+        missing = cache.access(needed)
+        resident = np.setdiff1d(needed, missing)
+        hottest = needed[np.argsort(-uses[needed], kind="stable")[: cache.num_slots]]
+        adopt = np.setdiff1d(hottest, resident)  # read into the slots they keep
+        cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
+        outputs, positions = [], []
 
-    if resident.size:
-        y = compute(layer.inner, resident, from_cache, cache.num_slots)
-        mx.async_eval(y)
-        stream.pending.extend(y)
+        def compute(module, experts, slot_of, array_experts):
+            """Pairs of `experts`, from a tensor of `array_experts` experts (slots or scratch)."""
+            pos = np.flatnonzero(np.isin(flat, experts))
+            plan = layer.row_plan(flat.size, array_experts, do_sort)
+            ys, ps = call_pairs(module, rows_of, pos, slot_of(flat[pos]), k, do_sort, plan)
+            outputs.extend(ys)
+            positions.extend(ps)
+            return ys
 
-    buffers = stream.scratch.buffers(stream.slots.tensors) if cold.size else []
-    batches = [cold[i : i + stream.scratch.batch] for i in range(0, cold.size, stream.scratch.batch)]
-    scratch_reads = _read_batch(stream, buffers, batches, 0)
-    # The slots of resident experts that are not adopted may be reused once step 1 evaluated
-    # (start_reads settles this layer's pending outputs first).
-    adopt_reads = stream.start_reads(adopt, protected=hottest) if adopt.size else None
-    in_use = [None, None]  # the output computing from each scratch buffer
-    for j, batch in enumerate(batches):
-        stream.finish_reads(scratch_reads)
-        if j + 1 < len(batches):
-            if in_use[(j + 1) % 2] is not None:
-                mx.eval(in_use[(j + 1) % 2])  # its buffer is about to be overwritten
-            scratch_reads = _read_batch(stream, buffers, batches, j + 1)
-        buffer = buffers[j % 2]
-        local = np.full(cache.num_experts, -1, dtype=np.int32)
-        local[batch] = np.arange(batch.size, dtype=np.int32)
-        y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e], buffer.num_slots)
-        mx.async_eval(y)
-        in_use[j % 2] = y
-    if adopt_reads is not None:
-        stream.finish_reads(adopt_reads, pending=[y for ys in in_use if ys is not None for y in ys])
-        compute(layer.inner, adopt, from_cache, cache.num_slots)
-    mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
-    stream.pending = []
+        def from_cache(experts):
+            return cache.slot_of[experts]
 
-    return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
+        if resident.size:
+            y = compute(layer.inner, resident, from_cache, cache.num_slots)
+            mx.async_eval(y)
+            store.pending.extend(y)
+
+        batch_size = self.scratch.batch
+        buffers = self.scratch.buffers(store.slots.tensors) if cold.size else []
+        batches = [cold[i : i + batch_size] for i in range(0, cold.size, batch_size)]
+        scratch_reads = _read_batch(store, buffers, batches, 0)
+        # The slots of resident experts that are not adopted may be reused once step 1 evaluated
+        # (start_reads settles this layer's pending outputs first).
+        adopt_reads = store.start_reads(adopt, protected=hottest) if adopt.size else None
+        in_use = [None, None]  # the output computing from each scratch buffer
+        for j, batch in enumerate(batches):
+            store.finish_reads(scratch_reads)
+            if j + 1 < len(batches):
+                if in_use[(j + 1) % 2] is not None:
+                    mx.eval(in_use[(j + 1) % 2])  # its buffer is about to be overwritten
+                scratch_reads = _read_batch(store, buffers, batches, j + 1)
+            buffer = buffers[j % 2]
+            local = np.full(cache.num_experts, -1, dtype=np.int32)
+            local[batch] = np.arange(batch.size, dtype=np.int32)
+            y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e], buffer.num_slots)
+            mx.async_eval(y)
+            in_use[j % 2] = y
+        if adopt_reads is not None:
+            store.finish_reads(adopt_reads, pending=[y for ys in in_use if ys is not None for y in ys])
+            compute(layer.inner, adopt, from_cache, cache.num_slots)
+        mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
+        store.pending = []
+        return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
 
 
-def _read_batch(stream, buffers, batches, j):
+def _read_batch(store, buffers, batches, j):
     if j >= len(batches):
         return None
     batch = batches[j]
-    return stream.read_into(buffers[j % 2], batch, np.arange(batch.size, dtype=np.int32))
+    return store.read_into(buffers[j % 2], batch, np.arange(batch.size, dtype=np.int32))

@@ -18,10 +18,8 @@ layer still waits for its router before it knows its misses, as it would with re
 
 Which rows: the benchmark sets the trace row of the next forward (`begin(row)`); each forward
 of T tokens takes rows row..row+T-1 (one per token, wrapping at the trace's end) and moves the
-row on by T when it returns. The position is set around the model's outermost call, so a
-decode step that the engine runs more than once inside one call (speculative decode rewinds and
-reruns it) sees the same rows each time. MoE layer i uses the trace's column i mod L (the
-trace's layers in order, cycled when the model has more).
+row on by T when it returns (the position is set around the model's call). MoE layer i uses
+the trace's column i mod L (the trace's layers in order, cycled when the model has more).
 """
 
 from __future__ import annotations
@@ -183,7 +181,7 @@ def _around_experts(base: type):
 
 def _around_model(base: type):
     # mlx-lm models take the token ids first (`inputs`); base may already be a wrapped class
-    # (speculation's) whose signature is (*args, **kwargs).
+    # whose signature is (*args, **kwargs).
     def around(model, call, args, kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
         replay = model._expert_stream_replay

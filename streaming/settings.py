@@ -25,9 +25,9 @@ class StreamSettings:
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
     policy: str = "default"
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
-    # None: on, except on CUDA where it measured harmful (streaming/lookahead.py).
+    # None: on, except on CUDA where it measured harmful (README, Measured).
     prefetch: Optional[bool] = None
-    # At most this many speculative reads per layer per token.
+    # At most this many reads of guessed experts per layer per token.
     prefetch_per_layer: int = 4
     # Leave MoE layers whose experts all fit in their share of the budget as stock layers (their
     # experts load with the trunk and run at stock's speed); false streams them through slots.
@@ -52,14 +52,6 @@ class StreamSettings:
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
-    # Run a decode step as one graph (no sync per layer), its routing checked a group of layers
-    # at a time; a step that met a miss is rewound, its misses read, and run again
-    # (streaming/speculation.py). Off by default: on replayed real routing it lost to the
-    # layer-by-layer path at every budget it ran at (README, Measured).
-    speculate: bool = False
-    # Streamed layers per routing check inside a speculative pass: a group that met a miss ends
-    # the pass there (streaming/pass_checks.py). 0: check once, when the pass ends.
-    speculate_check_every: int = 4
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
     # Lossy knobs, off by default: fewer experts per token, and skipping low-weight misses.
@@ -81,8 +73,6 @@ class StreamSettings:
             raise SettingsError("prefetch_per_layer must be >= 0")
         if self.prefill_step < 1:
             raise SettingsError("prefill_step must be >= 1")
-        if self.speculate_check_every < 0:
-            raise SettingsError("speculate_check_every must be >= 0")
         if self.reader_threads < 1:
             raise SettingsError("reader_threads must be >= 1")
         _check_choice("reader", self.reader, ("auto", "native", "python"))
@@ -92,11 +82,6 @@ class StreamSettings:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:
             raise SettingsError("skip_miss_below must be in [0, 1)")
-        if self.speculate and self.skip_miss_below is not None:
-            raise SettingsError(
-                "speculate: true cannot go with skip_miss_below (skipping a miss needs the layer-by-layer "
-                "path); leave speculate off"
-            )
         _check_ranges(self)  # after the checks above, whose messages say more
         from .policy import POLICIES  # names registered there, plugins' included
 
@@ -109,17 +94,13 @@ class StreamSettings:
         return int(self.budget_gib * GIB)
 
     @property
-    def speculates(self) -> bool:
-        """Whether decode steps run speculatively."""
-        return self.speculate
-
-    @property
     def exact(self) -> bool:
         """False when a lossy knob is on (output may differ from stock)."""
         return self.top_k_override is None and self.skip_miss_below is None
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], where: str = "settings") -> "StreamSettings":
+        refuse_removed(values, where)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(map(str, set(values) - known))
         if unknown:
@@ -137,10 +118,25 @@ class StreamSettings:
         return dataclasses.asdict(self)
 
 
+# Settings that existed and were taken out, with why: a config that still sets one is refused
+# with the reason rather than run without it.
+REMOVED = {
+    "speculate": "speculative decode was removed: on replayed real routing it was slower than "
+                 "layer-by-layer decode at every budget measured (README, Measured)",
+    "speculate_check_every": "it tuned speculative decode, which was removed (see speculate)",
+}
+
+
+def refuse_removed(keys, where: str = "settings") -> None:
+    """Raise SettingsError naming the first removed setting among `keys`, and why it went."""
+    for key in sorted(set(map(str, keys)) & set(REMOVED)):
+        raise SettingsError(f"{where}: setting {key!r} no longer exists: {REMOVED[key]}; delete it from the config")
+
+
 MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops being exact
 # Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
-           "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20), "speculate_check_every": (0, 4096),
+           "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
 

@@ -24,7 +24,7 @@ def test_bench_json(small, capsys):
     budget = checkpoint_footprint(small).budget_gib_for_slots(6)
     argv = ["bench", str(small), "--budget-gib", str(budget), "--prompt-tokens", "48",
             "--gen-tokens", "6", "--disk-gb", "0.005", "--stock", "yes", "--json",
-            "--set", "prefetch=false", "--set", "speculate=false"]
+            "--set", "prefetch=false"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     for key in REQUIRED:
@@ -32,8 +32,8 @@ def test_bench_json(small, capsys):
     assert report["token_agreement_with_stock"] == 1.0  # exact: the same greedy tokens
     assert report["bound_tok_s"] == pytest.approx(1 / max(report["t_compute_s"], report["t_disk_s"]))
     # The prompt needs more experts than the 6 slots: the sweep read each missing one once.
-    # (The first decode step runs before the first token is out; without lookahead and
-    # speculation its reads are all misses too.)
+    # (The first decode step runs before the first token is out; without lookahead its reads
+    # are all misses too.)
     assert report["prefill_reads_per_missed_expert"] == pytest.approx(1.0)
     assert report["miss_rate"] > 0
 

@@ -28,7 +28,7 @@ HOSTILE = [None, True, False, 0, -1, 1, 3, 2 ** 70, -(2 ** 70), 10 ** 400, 1e300
 KEYS = ["enabled", "watch", "poll_seconds", "debounce_seconds", "drain_timeout_s", "queue_timeout", "memory_gib",
         "headroom_gib", "reload_endpoint", "defaults", "budget_gib", "policy", "prefetch", "prefetch_per_layer",
         "reader_threads", "reader", "slot_write", "cache_bypass", "mlx_cache_limit_gib", "top_k_override",
-        "skip_miss_below", "prefill_step", "speculate_check_every", "warm_start", "model_path", "model_id",
+        "skip_miss_below", "prefill_step", "overlap", "warm_start", "model_path", "model_id",
         "served_model_name", "model_type", "context_length", "queue_size", "max_concurrency", "trust_remote_code",
         "lora_scales", "server", "host", "port", "models", "expert_stream", "default_model", 7, None, "budjet"]
 SPECIAL = [

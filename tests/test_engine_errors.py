@@ -116,8 +116,9 @@ def test_non_moe_checkpoint_is_refused(checkpoints):
         ({"budget_gib": 1, "polcy": "lru"}, "unknown setting.*polcy"),
         ({"budget_gib": 1, "reader": "fast"}, "reader must be one of"),
         ({"budget_gib": 1, "prefetch": "yes"}, "prefetch must be bool"),
-        ({"budget_gib": 1, "speculate_check_every": -1}, "speculate_check_every must be >= 0"),
-        ({"budget_gib": 1, "speculate": True, "skip_miss_below": 0.1}, "speculate: true cannot go with skip_miss_below"),
+        # Removed settings are refused with the reason, not ignored (nor called unknown).
+        ({"budget_gib": 1, "speculate": False}, "'speculate' no longer exists: speculative decode was removed.*slower"),
+        ({"budget_gib": 1, "speculate_check_every": 4}, "'speculate_check_every' no longer exists"),
         ({"budget_gib": 1, "warm_start": "/nonexistent/trace.npz"}, "warm_start.*does not exist"),
     ],
 )

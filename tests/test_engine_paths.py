@@ -52,8 +52,7 @@ def test_same_kernel_path_as_stock(checkpoints, kernel_calls, bits, slot_write):
 @pytest.mark.parametrize("slot_write", ["direct", "staged", "copy"])
 def test_decode_overlaps_hits_with_reads(checkpoints, slot_write):
     path = checkpoints("qwen3_moe")
-    # The layer-by-layer path (speculation would take most of these steps as one graph).
-    stock, streamed, handle = load_pair(path, slots=6, prefetch=False, slot_write=slot_write, speculate=False)
+    stock, streamed, handle = load_pair(path, slots=6, prefetch=False, slot_write=slot_write)
     layers = _streamed_layers(streamed)
     paths = []
     c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
@@ -62,9 +61,11 @@ def test_decode_overlaps_hits_with_reads(checkpoints, slot_write):
         a, b = stock(token, cache=c1), streamed(token, cache=c2)
         mx.eval(a, b)
         assert mx.array_equal(a, b).item()
-        paths += [layer.stream.last_path for layer in layers]
+        paths += [layer.path_taken.name for layer in layers]
         token = mx.argmax(a[:, -1:], axis=-1)
-    assert "overlap" in paths  # some steps had both hits and misses
+    assert set(paths) == {"layer_by_layer"}  # 6 slots of 16 experts: never all resident
+    # Some steps had both hits and misses, and computed the hits while the misses were read.
+    assert handle.stats()["totals"]["overlap_calls"] > 0
     handle.close()
 
 
@@ -94,10 +95,10 @@ def test_prefill_reads_each_expert_once_and_adopts_hottest(checkpoints):
     mx.eval(y)
     plan_bytes = {p.path: p.expert_bytes for p in handle.plans}
     for layer in _streamed_layers(streamed):
-        stats = layer.stream.cache.stats
-        assert stats.sweep_calls == 1
+        stats = layer.store.cache.stats
+        assert stats.sweep_calls == 1 and layer.path_taken is layer.sweep
         # A cold cache: every needed expert missed, and was read exactly once.
-        assert stats.bytes_read == stats.misses * plan_bytes[layer.stream.name]
+        assert stats.bytes_read == stats.misses * plan_bytes[layer.store.name]
     # The pool holds the chunk's most used experts of the first layer.
     stock_block = stock.model.layers[0].mlp
     h = stock.model.embed_tokens(x)
@@ -106,7 +107,7 @@ def test_prefill_reads_each_expert_once_and_adopts_hottest(checkpoints):
     gates = mx.softmax(stock_block.gate(layer0.post_attention_layernorm(h)), axis=-1)
     ids = np.array(mx.argpartition(gates, kth=-4, axis=-1)[..., -4:]).reshape(-1)
     uses = np.bincount(ids, minlength=32)
-    cache = _streamed_layers(streamed)[0].stream.cache
+    cache = _streamed_layers(streamed)[0].store.cache
     held = set(cache.expert_in[cache.expert_in >= 0].tolist())
     threshold = np.sort(uses)[-cache.num_slots]
     assert {int(e) for e in np.flatnonzero(uses > threshold)} <= held
@@ -116,9 +117,9 @@ def test_prefill_reads_each_expert_once_and_adopts_hottest(checkpoints):
 
 def test_lookahead_reports_and_switches_off(checkpoints):
     path = checkpoints("qwen3_moe", experts=32, top_k=4, layers=3)
-    stock, streamed, handle = load_pair(path, slots=8, speculate=False)  # lookahead acts layer by layer
+    stock, streamed, handle = load_pair(path, slots=8)
     layers = _streamed_layers(streamed)
-    look = layers[0].stream.lookahead
+    look = layers[0].layered.lookahead
     assert look is not None
     # Make layer 0's guesses useless: always experts layer 1 is never routed to here.
     real_guess = look.probe.guess
@@ -132,12 +133,12 @@ def test_lookahead_reports_and_switches_off(checkpoints):
         mx.eval(token)
         if not look.active:
             break
-    stats = layers[1].stream.cache.stats
+    stats = layers[1].store.cache.stats
     assert stats.guesses > 0
     assert not look.active, "useless guesses must switch the layer's lookahead off"
     look.probe.guess = real_guess
     # With the real probe, exactness is untouched by prefetching.
-    stock2, streamed2, handle2 = load_pair(path, slots=8, speculate=False)
+    stock2, streamed2, handle2 = load_pair(path, slots=8)
     assert_same_logits(stock2, streamed2, prompt_ids(20), decode_steps=12)
     per_layer = handle2.stats()["layers"]
     assert sum(v["guesses"] for v in per_layer.values()) > 0
@@ -158,3 +159,36 @@ def test_layers_that_fit_stay_stock_layers(checkpoints):
         assert handle.stats()["resident_layers"] == 2 - streamed_layers
         assert_same_logits(stock, streamed, prompt_ids(12), decode_steps=3)
         handle.close()
+
+
+def test_each_call_takes_one_path_object(checkpoints):
+    """A layer holding every expert computes on the device (the resident path) unless routing is
+    being recorded; the benchmark's compute floor reads nothing while it is on; a layer with
+    fewer slots than experts goes layer by layer, and a prefill chunk needing more, the sweep."""
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    path = checkpoints("qwen3_moe", layers=2)
+    experts = checkpoint_footprint(path).num_experts[0]
+    stock, streamed, handle = load_pair(path, slots=experts, resident=False, prefetch=False)
+    layers = _streamed_layers(streamed)
+    assert_same_logits(stock, streamed, prompt_ids(12), decode_steps=3)
+    assert {layer.path_taken.name for layer in layers} == {"resident"}
+    assert handle.stats()["totals"]["resident_calls"] > 0
+    with handle.recording() as rec:
+        mx.eval(streamed(prompt_ids(3)))
+    assert {layer.path_taken.name for layer in layers} == {"layer_by_layer"}
+    assert rec.trace().ids.shape[0] == 3
+    handle.close()
+
+    stock, streamed, handle = load_pair(path, slots=4, prefetch=False)
+    layers = _streamed_layers(streamed)
+    mx.eval(streamed(prompt_ids(40)))
+    assert {layer.path_taken.name for layer in layers} == {"prefill_sweep"}
+    read = handle.reader.total_bytes
+    with handle.compute_only():
+        mx.eval(streamed(prompt_ids(1, seed=4)))
+        assert {layer.path_taken.name for layer in layers} == {"compute_floor"}
+    assert handle.reader.total_bytes == read  # no expert was read
+    mx.eval(streamed(prompt_ids(1, seed=4)))
+    assert {layer.path_taken.name for layer in layers} == {"layer_by_layer"}
+    handle.close()

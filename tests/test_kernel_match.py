@@ -68,7 +68,7 @@ def _kernels_per_call(checkpoints, monkeypatch, backend, slots):
     """[(what, stock kernels, streamed kernels)] over chunked prefill then decode."""
     monkeypatch.setattr(kernel_match, "current_backend", lambda: backend)
     path = checkpoints("qwen3_moe", experts=EXPERTS, top_k=TOP_K, layers=2)
-    stock, streamed, handle = load_pair(path, slots=slots, speculate=False, prefetch=False)
+    stock, streamed, handle = load_pair(path, slots=slots, prefetch=False)
     spy = KernelSpy(backend)
     monkeypatch.setattr(mx, "gather_qmm", spy)
     c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
@@ -137,9 +137,9 @@ def test_whole_call_on_fewer_slots_is_split_on_metal(checkpoints, monkeypatch):
 
     monkeypatch.setattr(kernel_match, "current_backend", lambda: "metal")
     path = checkpoints("qwen3_moe", experts=EXPERTS, top_k=TOP_K, layers=2)
-    stock, streamed, handle = load_pair(path, slots=16, speculate=False, prefetch=False)
+    stock, streamed, handle = load_pair(path, slots=16, prefetch=False)
     layer = next(m for _, m in streamed.named_modules() if isinstance(m, StreamedSwitch))
-    stock_block = stock.layers[int(layer.stream.name.split(".")[-3])].mlp.switch_mlp
+    stock_block = stock.layers[int(layer.store.name.split(".")[-3])].mlp.switch_mlp
     rng = np.random.default_rng(1)
     x = mx.array(rng.standard_normal((1, 12, stock.args.hidden_size)).astype(np.float32))
     indices = mx.array(np.stack([rng.permutation(TOP_K) for _ in range(12)])[None].astype(np.uint32))
@@ -151,6 +151,6 @@ def test_whole_call_on_fewer_slots_is_split_on_metal(checkpoints, monkeypatch):
     for _ in range(2):  # the first call reads the experts, the second finds them resident
         got = layer(x, indices)
         mx.eval(got)
-        assert spy.take() == {"vector"} and layer.stream.last_path == "resident"
+        assert spy.take() == {"vector"} and layer.path_taken is layer.layered
         assert mx.array_equal(got, want).item()
     handle.close()

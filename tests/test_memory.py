@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     stats = handle.stats()["totals"]
     print(json.dumps({"baseline": m.base, "peak": m.peak, "bytes_read": stats["bytes_read"],
                       "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
-                      "scratch": handle.streams[0].scratch.nbytes}))
+                      "scratch": handle.layers[0].sweep.scratch.nbytes}))
     """
 )
 

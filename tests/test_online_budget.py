@@ -9,11 +9,11 @@ from exactness import assert_same_logits, load_pair, prompt_ids
 from expert_stream.streaming import online_budget
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_slots_move_and_logits_stay_exact(checkpoints, monkeypatch, speculate):
+@pytest.mark.parametrize("prefetch", [False, True])  # True: resizes meet lookahead reads in flight
+def test_slots_move_and_logits_stay_exact(checkpoints, monkeypatch, prefetch):
     monkeypatch.setattr(online_budget, "REBALANCE_EVERY", 2)
     path = checkpoints("qwen3_moe", layers=4)
-    stock, streamed, handle = load_pair(path, slots=6, policy="default", speculate=speculate)
+    stock, streamed, handle = load_pair(path, slots=6, policy="default", prefetch=prefetch)
     budget = streamed.model.layers[0].mlp.switch_mlp.online_budget
     assert budget is not None and budget.slots() == [6] * 4
     moved = []

@@ -67,6 +67,9 @@ def test_host_sees_its_own_file_without_our_blocks(tmp_path, models, openai_sche
     ("{policy: lru}", r"models\[0\] \(big\)\.expert_stream: budget_gib is required"),
     ("[1, 2]", r"models\[0\] \(big\)\.expert_stream: must be a mapping"),
     ("{budget_gib: 0.0000001}", r"models\[0\] \(big\)\.expert_stream\.budget_gib: .* the smallest budget is"),
+    # A removed setting says so and why, rather than being ignored or called unknown.
+    ("{budget_gib: 0.001, speculate: false}",
+     r"models\[0\] \(big\)\.expert_stream: setting 'speculate' no longer exists: speculative decode was removed"),
 ])
 def test_bad_settings_name_file_entry_and_key(tmp_path, models, openai_schema, block, message):
     path = write(tmp_path, f"""
@@ -92,6 +95,8 @@ def test_bad_settings_name_file_entry_and_key(tmp_path, models, openai_schema, b
     ("models: [{model_path: /x, model_type: embeddings, expert_stream: {budget_gib: 1}}]",
      "model_type 'embeddings' cannot be streamed"),
     ("models: [1, 2", "not valid YAML"),
+    ("expert_stream: {defaults: {speculate_check_every: 4}}\nmodels: [{model_path: /x}]",
+     r"expert_stream\.defaults: setting 'speculate_check_every' no longer exists: it tuned speculative decode"),
 ])
 def test_bad_files_are_refused_with_where(tmp_path, openai_schema, text, message):
     path = write(tmp_path, text)

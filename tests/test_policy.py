@@ -333,9 +333,9 @@ def test_policy_eval_cli(tmp_path, capsys):
 # -- the engine's cache misses what the simulator misses -------------------------------------
 
 def _engine_misses(rows, name, E, C, order):
-    """Replay rows through the engine's ExpertCache. "layer": the layer-by-layer path (record
-    the access, then place the misses); "speculative": a speculative step (a thrown pass
-    places the misses, the kept pass records the access)."""
+    """Replay rows through the engine's ExpertCache. "layer": the decode paths' order (record
+    the access, then place the misses); "placed first": the misses are placed before their
+    access is recorded, as a warm start's preload does (ExpertCache's AccessOrder)."""
     from expert_stream.streaming.cache import ExpertCache
 
     cache, misses = ExpertCache(E, C, name), 0
@@ -367,10 +367,10 @@ def test_engine_cache_misses_what_the_simulator_misses(name):
     for label, rows, E, C in _replay_cases():
         sim = simulate_layer(rows, make_policy(name, E, C), C).misses_all
         assert _engine_misses(rows, name, E, C, "layer") == sim, label
-        spec = _engine_misses(rows, name, E, C, "speculative")
-        # A speculative step chooses its victims before the policy saw the step's access: only
-        # policies whose ranking of the unpinned experts that access can change differ at all.
-        assert abs(spec - sim) <= 0.01 * sim, (label, spec, sim)
+        early = _engine_misses(rows, name, E, C, "placed first")
+        # Victims chosen before the policy saw the access: only policies whose ranking of the
+        # unpinned experts that access can change differ at all.
+        assert abs(early - sim) <= 0.01 * sim, (label, early, sim)
 
 
 # -- online per-layer budgets --------------------------------------------------------------

@@ -93,12 +93,12 @@ def test_mlx_cache_limit_is_applied(moe):
         mx.set_cache_limit(previous)
 
 
-def test_prefetch_per_layer_caps_the_speculative_reads(moe):
+def test_prefetch_per_layer_caps_the_lookahead_reads(moe):
     import mlx_lm
 
     reads = {}
     for per_layer in (0, 4):
-        model, tokenizer, handle = expert_stream.load(moe, budget_gib=0.00005, prefetch=True, speculate=False,
+        model, tokenizer, handle = expert_stream.load(moe, budget_gib=0.00005, prefetch=True,
                                                       prefetch_per_layer=per_layer)
         mlx_lm.generate(model, tokenizer, "hello there, how are you", max_tokens=12)
         reads[per_layer] = handle.stats()["totals"]["prefetch_reads"]
@@ -140,14 +140,7 @@ def test_policy_picks_the_eviction_policy(moe):
 def test_prefetch_off_links_no_lookahead(moe):
     for prefetch in (True, False):
         _, _, handle = expert_stream.load(moe, budget_gib=0.00005, prefetch=prefetch)
-        assert (handle.streams[0].lookahead is not None) is prefetch
-        handle.close()
-
-
-def test_speculate_check_every_sets_the_group_size(moe):
-    for every in (1, 0):
-        _, _, handle = expert_stream.load(moe, budget_gib=0.00005, speculate=True, speculate_check_every=every)
-        assert handle.speculation.checks.every == every
+        assert (handle.layers[0].layered.lookahead is not None) is prefetch
         handle.close()
 
 

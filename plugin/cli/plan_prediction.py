@@ -35,8 +35,8 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remo
     model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False,
                                           trust_remote_code=trust_remote_code)
     try:
-        for stream in handle.streams:
-            stream.forced_hits = forced
+        for layer in handle.layers:
+            layer.time_compute_only(forced)
         rng = np.random.default_rng(0)
         prompt = mx.array(rng.integers(3, _vocab(model) - 1, COMPUTE_PROMPT_TOKENS), dtype=mx.int32)
         for _ in generate_step(prompt[::-1], model, max_tokens=2):

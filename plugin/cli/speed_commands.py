@@ -156,7 +156,7 @@ def print_report(r: dict) -> None:
     look = r["lookahead"]
     if look["guess_hit_rate"] is not None:
         rows.append(("lookahead", f"guesses right {look['guess_hit_rate']:.1%}, {look['prefetch_used']}/{look['prefetch_reads']} "
-                                  f"speculative reads used, {look['layers_off']} layers switched off"
+                                  f"prefetch reads used, {look['layers_off']} layers switched off"
                                   + (f" ({look['note']})" if look.get("note") else "")))
     rows.append(("peak RSS", f"{r['peak_rss_gb']:.2f} GB"))
     width = max(len(k) for k, _ in rows)

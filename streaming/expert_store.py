@@ -1,5 +1,12 @@
-"""Everything of one streamed layer that is not MLX module state: the slot table, the slot
-memory, reads (demand and speculative), and the pending outputs that pin slots."""
+"""The expert store of one streamed layer: its slot table (ExpertCache), its slot memory
+(ExpertSlots), the reader, the reads it has in flight, and the outputs that still pin slots.
+
+A miss is handled here: `start_reads` reserves slots for the missing experts (`cache.place`)
+and starts the reader; `finish_reads` waits, makes the bytes visible and only then lets the
+slots claim the experts (`cache.claim`); a failed read frees them (`cache.release`). `ensure`
+does both in one call. The store is the only writer of this state: the decode paths
+(decode_paths.py, prefill_sweep.py) call it.
+"""
 
 from __future__ import annotations
 
@@ -26,34 +33,20 @@ class PendingReads:
         self.target, self.experts, self.slots, self.staged, self.future = target, experts, slots, staged, future
 
 
-class LayerStream:
+class ExpertStore:
     def __init__(self, name: str, cache: ExpertCache, slots: ExpertSlots, reader: ExpertReader):
         self.name = name
         self.cache = cache
         self.slots = slots
         self.reader = reader
         self.pending: list[mx.array] = []  # outputs not known to be evaluated; they pin slots
-        self.prefetching: PendingReads | None = None
-        self.in_flight: list[PendingReads] = []  # reads this layer started and did not finish
-        self.lookahead = None  # Lookahead into the next streamed layer (set by the loader)
-        self.scratch = None  # ScratchPool shared by the model's layers (prefill sweep)
-        self.last_guess: np.ndarray | None = None
+        self.prefetching: PendingReads | None = None  # the previous layer's lookahead reads
+        self.in_flight: list[PendingReads] = []  # reads this store started and did not finish
+        self.last_guess: np.ndarray | None = None  # the previous layer's guess, to score it
         self.recorder = None  # TraceRecorder while the handle records routing
         self.position = 0  # index among the model's streamed layers (for the recorder)
-        # Benchmark only: compute as if every expert were resident (expert e uses slot
-        # e % slots, no reads, no sync) to time the compute floor of a model too big for RAM.
-        self.forced_hits = False
-        # Once a layer with a slot per expert holds them all, its slot table never changes:
-        # the layer maps ids to slots on the device and needs no sync at all (stock's cost).
-        self.all_resident = False
         self._table: mx.array | None = None
         self._table_version = -1
-        # Set by DecodeSpeculation around a speculative pass (streaming/speculation.py): the
-        # layer computes from the device table without a sync, leaves its routing here and
-        # tells the pass's checks (streaming/pass_checks.py).
-        self.speculative_pass = None
-        self.speculated_ids: mx.array | None = None
-        self.last_path = None  # "resident" | "overlap" | "sweep" | "skip" | "speculated"
 
     # -- pins ---------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -62,7 +55,32 @@ class LayerStream:
             mx.eval(self.pending)
             self.pending = []
 
+    # -- slots --------------------------------------------------------------------------------
+    def on_device(self) -> bool:
+        """Whether a call can map ids to slots on the device, with no sync: every expert of the
+        layer sits in a slot (its table no longer changes) and no recorder needs the ids."""
+        return self.cache.holds_all() and self.recorder is None
+
+    def slots_for(self, ids: np.ndarray) -> mx.array:
+        """Slot numbers of resident experts `ids`, as an MLX index array."""
+        return mx.array(self.cache.slot_of[ids].astype(np.uint32))
+
+    def device_slots(self, indices: mx.array) -> mx.array:
+        """Slot numbers for routed `indices` (all resident), gathered on the device from a copy
+        of the table refreshed only when the table changed: a step of hits moves no new array
+        to the device (on CUDA each fresh host array costs a page-fault transfer). Absent
+        experts map to slot 0, so that no lookup can leave the slot arrays."""
+        if self._table_version != self.cache.version:
+            self._table = mx.array(np.maximum(self.cache.slot_of, 0).astype(np.uint32))
+            self._table_version = self.cache.version
+        return self._table[indices]
+
     # -- reads --------------------------------------------------------------------------------
+    def ensure(self, experts: np.ndarray, protected: np.ndarray) -> None:
+        """Make `experts` (not resident, not being read) resident, never evicting `protected`."""
+        if experts.size:
+            self.finish_reads(self.start_reads(experts, protected))
+
     def read_into(self, target: ExpertSlots, experts: np.ndarray, slots: np.ndarray) -> PendingReads:
         """Start reading `experts` into `slots` of `target` (slot memory or a scratch buffer)."""
         if target.write_mode == "direct":
@@ -120,8 +138,6 @@ class LayerStream:
             raise
         if reads.target is self.slots:
             self.cache.claim(reads.slots)
-            if not self.all_resident:
-                self.check_all_resident()
 
     def reap(self) -> None:
         """Before this layer starts new work: the reads a failed call left behind (all in flight
@@ -140,30 +156,12 @@ class LayerStream:
         if reads.target is self.slots:
             self.cache.release(reads.slots)
 
-    def check_all_resident(self) -> None:
-        cache = self.cache
-        if cache.num_slots == cache.num_experts and bool((cache.slot_of >= 0).all()):
-            self.all_resident = True
-
-    def slot_indices(self, ids: np.ndarray) -> mx.array:
-        return mx.array(self.cache.slot_of[ids].astype(np.uint32))
-
-    def device_slots(self, indices: mx.array) -> mx.array:
-        """Slot numbers for routed `indices`, gathered on the device from a copy of the table
-        that is refreshed only when the table changed: a step of hits moves no new array to
-        the device (on CUDA each fresh host array costs a page-fault transfer). An expert not
-        in a slot maps to slot 0, so that a speculative step's miss computes garbage, not an
-        out-of-bounds read; the step is then thrown away."""
-        if self._table_version != self.cache.version:
-            self._table = mx.array(np.maximum(self.cache.slot_of, 0).astype(np.uint32))
-            self._table_version = self.cache.version
-        return self._table[indices]
-
     # -- lookahead ----------------------------------------------------------------------------
     def prefetch(self, guessed: np.ndarray, cap: int) -> None:
-        """Start speculative reads of the guessed experts this layer lacks (first `cap`)."""
+        """Start reading the guessed experts this layer lacks (the first `cap`)."""
         self.await_prefetch()
         self.reap()
+        self.last_guess = guessed
         wanted = guessed[~self.cache.resident(guessed)][:cap]
         if wanted.size == 0:
             return
@@ -171,17 +169,14 @@ class LayerStream:
         self.prefetching = self.start_reads(wanted, protected=guessed, prefetched=True)
 
     def await_prefetch(self) -> None:
-        """Called before this layer computes: speculative bytes must have landed."""
+        """Called before this layer computes: the guessed experts' bytes must have landed."""
         reads, self.prefetching = self.prefetching, None
         if reads is None:
             return
         try:
             self.finish_reads(reads)
         except Exception as exc:  # the demand read of the same bytes will report it properly
-            log.debug("%s: speculative read failed: %s", self.name, exc)
-
-    def record_guess(self, guessed: np.ndarray) -> None:
-        self.last_guess = guessed
+            log.debug("%s: prefetch read failed: %s", self.name, exc)
 
     def score_guess(self, needed: np.ndarray) -> None:
         """Compare the lookahead's last guess for this layer with what it really needed."""

@@ -1,0 +1,170 @@
+"""The ways a streamed layer computes one call; StreamedSwitch picks one path object per call.
+
+- ResidentPath: every expert of the layer in a slot; stock's call on the device slot table.
+- ComputeFloor: benchmark only, every lookup made a hit (no reads) to time compute alone.
+- LayerByLayer: the call's routing comes to the host, its misses are read (hits computing
+  meanwhile), and the lookahead starts reading the next layer's guessed experts.
+- LossySkip: skip_miss_below; a decode token's light misses are dropped instead of read.
+The prefill sweep (more experts than slots) is prefill_sweep.PrefillSweep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
+
+
+def stock_sorts(indices_size: int) -> bool:
+    """Stock SwitchGLU's rule. We evaluate it on the call's whole index array, never on a
+    subset, so the kernel path (sorted or not) is always stock's."""
+    return indices_size >= 64
+
+
+@dataclass
+class RoutedCall:
+    """A call's routing, on the host after the layer's one sync."""
+
+    ids: np.ndarray  # routed expert ids, shaped like the call's indices
+    needed: np.ndarray  # the distinct experts of the call
+    sorts: bool  # whether stock sorts this call's pairs
+    guess: Optional[mx.array] = None  # the lookahead's guess for the next layer
+    kept: Optional[np.ndarray] = None  # LossySkip: positions of the token's experts to compute
+
+    @property
+    def single_token(self) -> bool:
+        return self.ids.size == self.ids.shape[-1]
+
+
+class ResidentPath:
+    """Every expert of the layer in a slot: the stock call with ids mapped on the device, no
+    sync and no bookkeeping beyond a counter (stock's cost)."""
+
+    name = "resident"
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        store = self.layer.store
+        store.cache.stats.calls += 1
+        store.cache.stats.resident_calls += 1
+        return self.layer.inner(x, store.device_slots(indices))
+
+
+class ComputeFloor:
+    """Benchmark only: compute as if every expert were resident (expert e uses slot e % slots,
+    no reads, no sync), to time the compute of a model too big for memory."""
+
+    name = "compute_floor"
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.layer.inner(x, mx.remainder(indices, self.layer.store.cache.num_slots))
+
+
+class LayerByLayer:
+    """Demand reads: read the call's misses into slots, then compute from the slots."""
+
+    name = "layer_by_layer"
+
+    def __init__(self, layer, overlap: bool = True, lookahead=None):
+        self.layer = layer
+        self.overlap = overlap  # compute a decode token's hits while its misses are read
+        self.lookahead = lookahead  # lookahead.Lookahead into the next streamed layer, or None
+
+    def route(self, x: mx.array, indices: mx.array) -> RoutedCall:
+        """The layer's one sync point: its routing (and the lookahead's guess) to the host."""
+        store = self.layer.store
+        store.await_prefetch()
+        look = self.lookahead if indices.size == indices.shape[-1] else None
+        guess = look.guess(x) if look is not None else None
+        if guess is not None:
+            mx.eval(indices, guess)
+        ids = np.array(indices)
+        if store.recorder is not None:
+            store.recorder.add(store.position, ids)
+        needed = np.unique(ids)
+        store.score_guess(needed)
+        return RoutedCall(ids, needed, stock_sorts(indices.size), guess)
+
+    def issue_guess(self, call: RoutedCall) -> None:
+        """Start the next layer's reads; called after this layer's own reads started, so a
+        guess is queued behind them and never delays a real miss."""
+        if call.guess is not None:
+            self.lookahead.issue(np.array(call.guess))
+
+    def __call__(self, x: mx.array, indices: mx.array, call: RoutedCall) -> mx.array:
+        store = self.layer.store
+        missing = store.cache.access(call.needed)
+        reads = store.start_reads(missing, protected=call.needed) if missing.size else None
+        self.issue_guess(call)
+        if reads is None:
+            return self.layer.whole(x, indices, call.ids)
+        if self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts:
+            return self._overlapped(x, call.ids, missing, reads)
+        store.finish_reads(reads)
+        return self.layer.whole(x, indices, call.ids)
+
+    def _overlapped(self, x, ids, missing, reads):
+        """One token: compute its resident experts while the missing ones are read."""
+        store = self.layer.store
+        store.cache.stats.overlap_calls += 1
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        plan = self.layer.row_plan(k, store.cache.num_slots, False)
+        is_miss = np.isin(flat, missing)
+        hit_pos, miss_pos = np.flatnonzero(~is_miss), np.flatnonzero(is_miss)
+        rows = token_rows(x)
+        inner = self.layer.inner
+        y_hit, p_hit = call_pairs(inner, rows, hit_pos, store.cache.slot_of[flat[hit_pos]], k, False, plan)
+        mx.async_eval(y_hit)
+        store.finish_reads(reads, pending=y_hit)
+        y_miss, p_miss = call_pairs(inner, rows, miss_pos, store.cache.slot_of[flat[miss_pos]], k, False, plan)
+        return unflatten_pairs(stitch(y_hit + y_miss, p_hit + p_miss, axis=0), ids.shape)
+
+
+class LossySkip:
+    """skip_miss_below: a decode token's missing experts of low routing weight are not read;
+    they contribute zeros. Chosen for a call only when `keep` drops something."""
+
+    name = "lossy_skip"
+
+    def __init__(self, layer, skipper, layered: LayerByLayer):
+        self.layer = layer
+        self.skipper = skipper  # lossy.MissSkipper
+        self.layered = layered  # whose lookahead this path still feeds
+
+    def keep(self, x: mx.array, call: RoutedCall) -> Optional[np.ndarray]:
+        """Positions of the token's experts to compute, or None when nothing is skipped."""
+        cache = self.layer.store.cache
+        absent = call.needed[~cache.resident(call.needed)]
+        if absent.size == 0:
+            return None
+        skip = self.skipper.light(x, call.ids) & np.isin(call.ids.reshape(-1), absent)
+        if not skip.any():
+            return None
+        cache.stats.skipped_misses += int(skip.sum())
+        return np.flatnonzero(~skip)
+
+    def __call__(self, x: mx.array, indices: mx.array, call: RoutedCall) -> mx.array:
+        store = self.layer.store
+        ids, kept = call.ids, call.kept
+        k = ids.shape[-1]
+        axis = ids.ndim - 1
+        needed = np.unique(ids[..., kept])
+        missing = store.cache.access(needed)
+        reads = store.start_reads(missing, protected=needed) if missing.size else None
+        self.layered.issue_guess(call)
+        if reads is not None:
+            store.finish_reads(reads)
+        y = self.layer.inner(x, store.slots_for(ids[..., kept]))
+        dropped = np.setdiff1d(np.arange(k), kept)
+        zeros = mx.zeros((*y.shape[:axis], dropped.size, *y.shape[axis + 1:]), dtype=y.dtype)
+        return stitch([y, zeros], [kept, dropped], axis)
