@@ -16,7 +16,7 @@ SHARED = REPO.parent / "shared"
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """make(arch, **kwargs) -> Path of a synthetic checkpoint, cached for the session by kwargs."""
-    from expert_stream.streaming.synthetic import make_checkpoint
+    from expert_stream.streaming.lab.synthetic import make_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     made: dict[str, Path] = {}

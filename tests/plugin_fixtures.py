@@ -30,7 +30,7 @@ MOE = dict(arch="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64, moe_hidden
 
 
 def make_moe(root: Path, name: str = "moe", **overrides) -> Path:
-    from expert_stream.streaming.synthetic import make_checkpoint
+    from expert_stream.streaming.lab.synthetic import make_checkpoint
 
     return make_checkpoint(Path(root) / name, progress=False, **{**MOE, **overrides})
 
@@ -42,7 +42,7 @@ def make_dense(root: Path, name: str = "dense", seed: int = 0) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
 
-    from expert_stream.streaming.synthetic.tokenizer import write_tokenizer
+    from expert_stream.streaming.lab.synthetic.tokenizer import write_tokenizer
 
     out = Path(root) / name
     if (out / "config.json").exists():

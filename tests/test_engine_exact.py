@@ -9,7 +9,7 @@ import pytest
 import mlx.core as mx
 
 from exactness import assert_same_logits, load_pair, prompt_ids
-from expert_stream.streaming.synthetic import PRESETS
+from expert_stream.streaming.lab.synthetic import PRESETS
 
 # (arch, synth options), every preset: a family the installed mlx-lm lacks is skipped, naming
 # the version it needs. Default quantization is each family's usual export (4-bit affine;

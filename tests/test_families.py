@@ -16,9 +16,9 @@ from mlx.utils import tree_flatten
 import mlx_lm
 from expert_stream.streaming.errors import CheckpointError
 from expert_stream.streaming.footprint import checkpoint_footprint
-from expert_stream.streaming.synthetic import PRESETS, read_synth
-from expert_stream.streaming.synthetic.families import switch_families
-from expert_stream.streaming.synthetic.structure import routed_expert_modules
+from expert_stream.streaming.lab.synthetic import PRESETS, read_synth
+from expert_stream.streaming.lab.synthetic.families import switch_families
+from expert_stream.streaming.lab.synthetic.structure import routed_expert_modules
 
 
 def _skip_unavailable(arch: str) -> None:
@@ -33,7 +33,7 @@ def test_every_mlx_lm_moe_family_has_a_preset():
     missing = [f for f in families if f not in PRESETS]
     assert not missing, (
         f"mlx-lm {mlx_lm.__version__} has MoE families with no synthetic preset: "
-        f"{', '.join(missing)}; add one to streaming/synthetic/presets_2026.py (or list the family "
+        f"{', '.join(missing)}; add one to streaming/lab/synthetic/presets_2026.py (or list the family "
         "in streaming/architectures.py UNSTREAMABLE with its reason)"
     )
 

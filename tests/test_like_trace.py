@@ -9,7 +9,7 @@ import numpy as np
 
 from expert_stream.plugin.cli import main
 from expert_stream.streaming.footprint import checkpoint_footprint
-from expert_stream.streaming.replay import check_fit
+from expert_stream.streaming.lab.replay import check_fit
 from expert_stream.streaming.traces import RoutingTrace, load_trace, save_trace
 
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from expert_stream.plugin.cli import main
-from expert_stream.streaming.memory_cap import run_capped, unavailable_reason
-from expert_stream.streaming.page_cache import drop_checkpoint, drop_method, resident_bytes
+from expert_stream.streaming.lab.memory_cap import run_capped, unavailable_reason
+from expert_stream.streaming.lab.page_cache import drop_checkpoint, drop_method, resident_bytes
 
 
 @pytest.mark.skipif(drop_method() is None, reason="this OS cannot drop a file's pages")

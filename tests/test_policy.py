@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from expert_stream.streaming.policy import DEFAULT, POLICIES, LRUPolicy, make_policy
-from expert_stream.streaming.policy_sim import (
+from expert_stream.streaming.lab.policy_sim import (
     BeladyPolicy, capacity_for, gap_closed, simulate, simulate_layer)
 from expert_stream.streaming.traces import RoutingTrace, TraceError, load_trace, save_trace
 
@@ -404,7 +404,7 @@ def test_rebalance_moves_slots_to_the_steeper_curve_and_keeps_the_total():
 
 
 def test_budgeted_replay():
-    from expert_stream.streaming.policy_sim import simulate_budgeted
+    from expert_stream.streaming.lab.policy_sim import simulate_budgeted
 
     rng = np.random.default_rng(4)
     T, E = 3000, 32

@@ -12,7 +12,7 @@ import pytest
 
 from exactness import assert_same_logits, load_pair, prompt_ids
 from expert_stream.streaming.footprint import checkpoint_footprint
-from expert_stream.streaming.replay import ReplayError, install
+from expert_stream.streaming.lab.replay import ReplayError, install
 from expert_stream.streaming.traces import RoutingTrace, load_trace
 
 from conftest import SHARED
@@ -116,7 +116,7 @@ def test_replayed_ids_wait_for_the_router():
     import mlx.core as mx
 
     trace = random_trace(16, 4, layers=1)
-    from expert_stream.streaming.replay import RoutingReplay
+    from expert_stream.streaming.lab.replay import RoutingReplay
 
     replay = RoutingReplay(trace, moe_layers=2)
     replay.begin(3)

@@ -75,13 +75,13 @@ def test_capped_child_entry_round_trips_the_report(model, tmp_path):
     machine cannot make): it takes the config as JSON and prints the streamed side's report."""
     import subprocess
 
-    from expert_stream.streaming.bench import BenchConfig, finish
-    from expert_stream.streaming.capped_bench import _config_json
+    from expert_stream.streaming.lab.bench import BenchConfig, finish
+    from expert_stream.streaming.lab.capped_bench import _config_json
 
     cfg = BenchConfig(model_dir=model, budget_gib=checkpoint_footprint(model).budget_gib_for_slots(5),
                       prompt_tokens=8, gen_tokens=4, disk_bytes=5_000_000, stock="no",
                       routing=_trace(tmp_path), known_t_compute=(0.01, "earlier run"))
-    out = subprocess.run([sys.executable, "-m", "expert_stream.streaming.capped_bench", _config_json(cfg)],
+    out = subprocess.run([sys.executable, "-m", "expert_stream.streaming.lab.capped_bench", _config_json(cfg)],
                          stdout=subprocess.PIPE, text=True, check=True).stdout
     r = finish(json.loads(out))
     assert r["t_compute_source"] == "earlier run" and r["routing"]["trace_start"] == 150 - 8

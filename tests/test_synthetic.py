@@ -18,18 +18,18 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from expert_stream.streaming.synthetic import (
+from expert_stream.streaming.lab.synthetic import (
     ARCHITECTURES,
     PRESETS,
     estimate_size,
     layers_for_target,
     make_checkpoint,
 )
-from expert_stream.streaming.synthetic import shards as shards_mod
-from expert_stream.streaming.synthetic import weights as weights_mod
-from expert_stream.streaming.synthetic.errors import SyntheticError
+from expert_stream.streaming.lab.synthetic import shards as shards_mod
+from expert_stream.streaming.lab.synthetic import weights as weights_mod
+from expert_stream.streaming.lab.synthetic.errors import SyntheticError
 
-from expert_stream.streaming.synthetic.presets_2026 import PRESETS_2026
+from expert_stream.streaming.lab.synthetic.presets_2026 import PRESETS_2026
 
 # The families of presets_2026.py are held to strict loading, their layout and exact streaming
 # in tests/test_families.py and tests/test_engine_exact.py; the long generations of this file
@@ -84,7 +84,7 @@ def greedy_finite(model, tokenizer, n_tokens: int) -> list[int]:
 
 
 def expert_modules(model):
-    from expert_stream.streaming.synthetic.structure import routed_expert_modules
+    from expert_stream.streaming.lab.synthetic.structure import routed_expert_modules
 
     return dict(routed_expert_modules(model))
 
@@ -250,7 +250,7 @@ def test_bytes_deterministic_by_seed(tmp_path):
     a = make_checkpoint(tmp_path / "a", "qwen3_moe", progress=False, **kw)
     # the same arguments in a fresh process: identical files
     code = textwrap.dedent(f"""
-        from expert_stream.streaming.synthetic import make_checkpoint
+        from expert_stream.streaming.lab.synthetic import make_checkpoint
         make_checkpoint({str(tmp_path / 'b')!r}, "qwen3_moe", progress=False, **{kw!r})
     """)
     subprocess.run([sys.executable, "-c", code], check=True, env=_env())
@@ -434,7 +434,7 @@ def test_writer_memory_stays_bounded(tmp_path):
         import mlx.core as mx
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from rss_sampler import PeakRSS
-        from expert_stream.streaming.synthetic import estimate_size, layers_for_target, make_checkpoint
+        from expert_stream.streaming.lab.synthetic import estimate_size, layers_for_target, make_checkpoint
         kw = dict(experts=64, hidden=1024, moe_hidden=512, dtype="bfloat16", bits=4, shard_size_mb=100)
         layers = layers_for_target("qwen3_moe", 600_000_000, **kw)
         size = estimate_size("qwen3_moe", layers=layers, **kw)["total_bytes"]

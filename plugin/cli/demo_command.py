@@ -45,7 +45,7 @@ def free_port() -> int:
 
 def demo_checkpoint() -> Path:
     from expert_stream.plugin.paths import cache_dir
-    from expert_stream.streaming.synthetic import make_checkpoint
+    from expert_stream.streaming.lab.synthetic import make_checkpoint
 
     return make_checkpoint(cache_dir() / "demo", progress=True, **DEMO_MODEL)
 

@@ -34,7 +34,7 @@ def register(sub) -> None:
 
 
 def default_checkpoint() -> Path:
-    from expert_stream.streaming.synthetic import make_checkpoint
+    from expert_stream.streaming.lab.synthetic import make_checkpoint
 
     out = cache_dir() / "generate-default"
     return make_checkpoint(out, progress=True, **DEFAULT_MODEL)

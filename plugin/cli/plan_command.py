@@ -134,7 +134,7 @@ def run_plan(args) -> int:
     bandwidth = args.bandwidth_gbps
     if bandwidth is None:
         from expert_stream.streaming.checkpoint import CheckpointIndex
-        from expert_stream.streaming.disk_bandwidth import measure_read_bandwidth
+        from expert_stream.streaming.lab.disk_bandwidth import measure_read_bandwidth
 
         print("measuring the disk's read bandwidth on the shards ...", file=sys.stderr, flush=True)
         files = CheckpointIndex(model_dir).files

@@ -30,7 +30,7 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remo
     from mlx_lm.generate import generate_step
 
     import expert_stream
-    from expert_stream.streaming.bench import _vocab
+    from expert_stream.streaming.lab.bench import _vocab
 
     model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False,
                                           trust_remote_code=trust_remote_code)
@@ -55,7 +55,7 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remo
 
 def trace_miss_rates(trace_path: Path, shares: list[float]) -> dict[float, tuple[float, float]]:
     """share of experts held -> (miss rate of the default policy, of LRU) on the trace's decode."""
-    from expert_stream.streaming.policy_sim import simulate
+    from expert_stream.streaming.lab.policy_sim import simulate
     from expert_stream.streaming.traces import load_trace
 
     trace = load_trace(Path(trace_path).expanduser())

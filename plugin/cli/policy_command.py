@@ -7,7 +7,7 @@ Prints the decode hit rate (%) and misses per decode token of each policy, Belad
 the ceiling, and the share of the LRU-to-Belady gap (in misses per token) the default policy
 closes. ``--online-budget`` adds LRU and the default with slots moved between layers by their
 measured hit curves (``policy_sim.simulate_budgeted``). The replay definition is the one documented in
-`expert_stream.streaming.policy_sim` (per-layer caches, each token's top-k pinned, decode tokens,
+`expert_stream.streaming.lab.policy_sim` (per-layer caches, each token's top-k pinned, decode tokens,
 cache carried over requests, mean over layers).
 """
 
@@ -54,7 +54,7 @@ def _error(msg: str) -> Exception:
 
 def run_policy_eval(args: argparse.Namespace) -> int:
     from expert_stream.streaming.policy import DEFAULT, POLICIES
-    from expert_stream.streaming.policy_sim import (
+    from expert_stream.streaming.lab.policy_sim import (
         capacity_for, gap_closed, simulate, simulate_budgeted)
     from expert_stream.streaming.traces import load_trace
 

@@ -71,13 +71,13 @@ def parse_settings(pairs: list[str]) -> dict:
 
 
 def run_bench_command(args) -> int:
-    from expert_stream.streaming.bench import BenchConfig, run_bench
+    from expert_stream.streaming.lab.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
     run = run_bench
     if args.memory_cap is not None:
-        from expert_stream.streaming.capped_bench import run_bench_capped
-        from expert_stream.streaming.memory_cap import MemoryCapError, unavailable_reason
+        from expert_stream.streaming.lab.capped_bench import run_bench_capped
+        from expert_stream.streaming.lab.memory_cap import MemoryCapError, unavailable_reason
 
         reason = unavailable_reason()
         if reason is not None:
@@ -213,7 +213,7 @@ def run_trace_command(args) -> int:
     if args.corpus:
         text = Path(args.corpus).read_text()
     else:
-        from expert_stream.streaming.synthetic.corpus import CORPUS as text
+        from expert_stream.streaming.lab.synthetic.corpus import CORPUS as text
     docs = [d.strip() for d in text.split("\n\n") if d.strip()][: args.max_docs]
     model, tokenizer, handle = expert_stream.load(args.model_dir, budget_gib=args.budget_gib)
     with handle.recording() as recorder:

@@ -57,7 +57,7 @@ def register(sub) -> None:
 
 
 def _overrides(items: list[str]) -> dict:
-    from expert_stream.streaming.synthetic.errors import SyntheticError
+    from expert_stream.streaming.lab.synthetic.errors import SyntheticError
 
     out = {}
     for item in items:
@@ -72,12 +72,12 @@ def _overrides(items: list[str]) -> dict:
 
 
 def run_synth(args) -> int:
-    from expert_stream.streaming.synthetic import (
+    from expert_stream.streaming.lab.synthetic import (
         estimate_size,
         layers_for_target,
         make_checkpoint,
     )
-    from expert_stream.streaming.synthetic.errors import SyntheticError
+    from expert_stream.streaming.lab.synthetic.errors import SyntheticError
 
     kwargs = dict(
         layers=args.layers,
@@ -99,7 +99,7 @@ def run_synth(args) -> int:
     if args.moe_layers is not None or like:
         if args.layers is not None or args.target_gb is not None:
             raise SyntheticError("--moe-layers and --like-trace set the layer count: give neither --layers nor --target-gb")
-        from expert_stream.streaming.synthetic.like_trace import layers_for_moe_layers
+        from expert_stream.streaming.lab.synthetic.like_trace import layers_for_moe_layers
 
         kwargs["layers"] = layers_for_moe_layers(args.arch, like["moe_layers"] if like else args.moe_layers, **kwargs)
     if args.target_gb is not None:
@@ -136,7 +136,7 @@ def run_synth(args) -> int:
 
 def _like_trace(args, kwargs: dict) -> dict:
     """The trace's shape (flags win), written into kwargs; returned for the report."""
-    from expert_stream.streaming.synthetic.like_trace import like_trace_shape
+    from expert_stream.streaming.lab.synthetic.like_trace import like_trace_shape
     from expert_stream.streaming.traces import load_trace
 
     trace = load_trace(args.like_trace)

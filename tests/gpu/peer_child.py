@@ -1,6 +1,6 @@
 """One peer in a fresh process, for `gpu_tool.py peers`: load it at the slots the budget pays
 for, install the routing replay on it where its expert modules take `(x, indices)` as mlx-lm's
-do, and run the benchmark's own generation loop (streaming/bench.py). Usage (by tool_peers.py):
+do, and run the benchmark's own generation loop (streaming/lab/bench.py). Usage (by tool_peers.py):
 `python peer_child.py CONFIG_JSON`; the result goes to the config's result_path as JSON.
 
 The peers' own code is used as published (bigrig 0.9.1, boyle 0.2.1); what had to change for
@@ -183,7 +183,7 @@ def install_replay(cfg, model, peer_classes, rep):
     """The benchmark's replay on the peer's model, its expert modules counted as expert calls;
     None (and why, in the row) where it cannot cover every MoE layer."""
     from expert_stream.streaming.architectures import GENERIC
-    from expert_stream.streaming.replay import ReplayError, install
+    from expert_stream.streaming.lab.replay import ReplayError, install
     from expert_stream.streaming.traces import load_trace
 
     spec = dataclasses.replace(GENERIC, name="peer", model_types=(cfg["model_type"],),
@@ -230,8 +230,8 @@ def main(cfg: dict) -> None:
         import mlx.core as mx
         import numpy as np
 
-        from expert_stream.streaming.bench import timed_generation
-        from expert_stream.streaming.page_cache import drop_checkpoint
+        from expert_stream.streaming.lab.bench import timed_generation
+        from expert_stream.streaming.lab.page_cache import drop_checkpoint
 
         prompt = mx.array(np.random.default_rng(0).integers(3, cfg["vocab_size"] - 1, cfg["prompt_tokens"]), dtype=mx.int32)
         marks = {}

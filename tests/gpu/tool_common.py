@@ -74,7 +74,7 @@ def budget_for_share(ck: Path, share: float) -> tuple[float, int]:
 def cap_for(budget_gib: float, cap_extra: str) -> tuple[float | None, str]:
     """(cap GiB or None, why): budget + cap_extra GiB where cgroup v2 can cap this process's
     children, else none and the reason."""
-    from expert_stream.streaming.memory_cap import unavailable_reason
+    from expert_stream.streaming.lab.memory_cap import unavailable_reason
 
     if cap_extra == "none":
         return None, "no cap (--cap-extra none)"

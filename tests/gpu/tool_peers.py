@@ -58,7 +58,7 @@ def register(sub) -> None:
 
 
 def _child_config(args, ck: Path, slots: int, peer: str, out: Path) -> dict:
-    from expert_stream.streaming.bench import replay_start
+    from expert_stream.streaming.lab.bench import replay_start
     from expert_stream.streaming.footprint import checkpoint_footprint
     from expert_stream.streaming.traces import load_trace
 
@@ -82,7 +82,7 @@ def _child_config(args, ck: Path, slots: int, peer: str, out: Path) -> dict:
 
 
 def run_peer(args, ck: Path, budget: float, slots: int, peer: str) -> dict:
-    from expert_stream.streaming.memory_cap import run_capped
+    from expert_stream.streaming.lab.memory_cap import run_capped
     from expert_stream.streaming.settings import GIB
 
     out = args.out / "runs"

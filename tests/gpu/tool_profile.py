@@ -1,5 +1,5 @@
 """`gpu_tool.py profile`: where a streamed decode step's time goes. One model loaded through
-`expert_stream.load`, the benchmark's own generation loop (streaming/bench.py: warm-up, page
+`expert_stream.load`, the benchmark's own generation loop (streaming/lab/bench.py: warm-up, page
 cache dropped, replayed routing when a trace is given), cProfile on the timed decode only; the
 step's wall split into the engine's read wait and the rest, beside stock mlx-lm's step on the
 same rows (the compute with every expert resident)."""
@@ -43,7 +43,7 @@ class Run:
         import mlx.core as mx
         import numpy as np
 
-        from expert_stream.streaming.bench import replay_start
+        from expert_stream.streaming.lab.bench import replay_start
         from expert_stream.streaming.footprint import checkpoint_footprint
         from expert_stream.streaming.traces import load_trace
 
@@ -54,9 +54,9 @@ class Run:
         self.prompt = mx.array(np.random.default_rng(0).integers(3, _vocab(ck) - 1, prompt_tokens), dtype=mx.int32)
 
     def generate(self, model, gen_tokens: int, prefill_step: int, on_start=None, on_first=None) -> dict:
-        from expert_stream.streaming.bench import timed_generation
-        from expert_stream.streaming.page_cache import drop_checkpoint
-        from expert_stream.streaming.replay import install
+        from expert_stream.streaming.lab.bench import timed_generation
+        from expert_stream.streaming.lab.page_cache import drop_checkpoint
+        from expert_stream.streaming.lab.replay import install
 
         replay = None
         if self.trace is not None:

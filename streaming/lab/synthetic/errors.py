@@ -1,7 +1,7 @@
 """The error synthetic-checkpoint arguments raise: a SettingsError (the CLI prints it without a
 traceback) that is also a ValueError, the natural thing for a Python caller to catch."""
 
-from ..errors import SettingsError
+from ...errors import SettingsError
 
 
 class SyntheticError(SettingsError, ValueError):

@@ -2,7 +2,7 @@
 a converted mlx-community model (config, sharded safetensors, index, tokenizer), written shard by
 shard so a checkpoint can be larger than memory. Used by the tests, the demo and benchmarks.
 
-    from expert_stream.streaming.synthetic import make_checkpoint, estimate_size
+    from expert_stream.streaming.lab.synthetic import make_checkpoint, estimate_size
     path = make_checkpoint(tmp / "q", "qwen3_moe", layers=4, experts=32, dtype="float32")
 """
 

@@ -30,11 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .architectures import ArchitectureSpec, spec_for
+from ..architectures import ArchitectureSpec, spec_for
 from .call_wrap import wrap_call
-from .errors import ExpertStreamError
-from .streamed_switch import StreamedSwitch
-from .traces import RoutingTrace
+from ..errors import ExpertStreamError
+from ..streamed_switch import StreamedSwitch
+from ..traces import RoutingTrace
 
 
 class ReplayError(ExpertStreamError):

@@ -7,10 +7,10 @@ t_compute comes from stock mlx-lm when the model fits, otherwise from the stream
 forced hits (every expert treated as resident: same kernels, no reads).
 
 With a routing trace (`routing`), every MoE layer of both models routes as the trace's trained
-model did (streaming/replay.py), and the report adds what LRU and Belady would have missed on
-the same rows (streaming/replay_sim.py). Before every timed run the checkpoint's pages are
-dropped from the page cache (streaming/page_cache.py); a memory cap runs the streamed side in a
-cgroup (streaming/capped_bench.py).
+model did (streaming/lab/replay.py), and the report adds what LRU and Belady would have missed on
+the same rows (streaming/lab/replay_sim.py). Before every timed run the checkpoint's pages are
+dropped from the page cache (streaming/lab/page_cache.py); a memory cap runs the streamed side in a
+cgroup (streaming/lab/capped_bench.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import mlx.core as mx
 import numpy as np
 
 from .disk_bandwidth import measure_read_bandwidth
-from .footprint import checkpoint_footprint
+from ..footprint import checkpoint_footprint
 from .page_cache import drop_checkpoint
-from .settings import GIB
+from ..settings import GIB
 
 # Stock runs only when the checkpoint, its KV cache and MLX temporaries fit with this headroom.
 STOCK_HEADROOM_BYTES = 4 * GIB
@@ -134,7 +134,7 @@ class _Routing:
 
     def __init__(self, cfg: BenchConfig, fp):
         from .replay import check_fit
-        from .traces import load_trace
+        from ..traces import load_trace
 
         self.path = Path(cfg.routing)
         self.trace = load_trace(self.path)

@@ -1,7 +1,7 @@
 """The benchmark's streamed side in a child process under a memory cap (benchmark lab code).
 
 The child (this module run as `python -m`) runs `bench.run_streamed` inside a cgroup v2 group
-whose `memory.max` is the cap (streaming/memory_cap.py) and prints its report as JSON; a child
+whose `memory.max` is the cap (streaming/lab/memory_cap.py) and prints its report as JSON; a child
 OOM-killed under the cap becomes a report saying so. Stock mlx-lm, when it runs, runs in the
 calling process, outside the cap: it is the everything-resident reference, not a contestant.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from .bench import BenchConfig, finish, run_stock_side, stock_wanted
-from .errors import ExpertStreamError
+from ..errors import ExpertStreamError
 from .memory_cap import run_capped
-from .settings import GIB
+from ..settings import GIB
 
 
 class BenchChildError(ExpertStreamError):
@@ -42,14 +42,14 @@ def _config_from_json(text: str) -> BenchConfig:
 
 def run_bench_capped(cfg: BenchConfig, cap_gib: float,
                      log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
-    from .footprint import checkpoint_footprint
+    from ..footprint import checkpoint_footprint
 
     fp = checkpoint_footprint(cfg.model_dir)
     want_stock = stock_wanted(cfg, fp)
     # The child measures t_compute with forced hits unless stock (here) will replace it.
     child = replace(cfg, stock="no")
     log(f"memory cap: streamed side in a cgroup v2 group with memory.max = {cap_gib} GiB")
-    argv = [sys.executable, "-m", "expert_stream.streaming.capped_bench", _config_json(child)]
+    argv = [sys.executable, "-m", "expert_stream.streaming.lab.capped_bench", _config_json(child)]
     run = run_capped(argv, int(cap_gib * GIB))
     cap = {"gib": cap_gib, "mechanism": "cgroup v2 memory.max", "oom_kills": run.oom_kills,
            "peak_gb": run.peak_bytes / 1e9 if run.peak_bytes is not None else None,

@@ -20,7 +20,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .reader import ALIGN, ExpertReader, ReadRequest, _preadv
+from ..reader import ALIGN, ExpertReader, ReadRequest, _preadv
 
 try:
     from expert_stream.native import _reader as _native  # type: ignore
@@ -190,11 +190,11 @@ def _size(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    """python -m expert_stream.streaming.disk_bandwidth FILE... : reader vs raw, GB/s (1e9 B/s)."""
+    """python -m expert_stream.streaming.lab.disk_bandwidth FILE... : reader vs raw, GB/s (1e9 B/s)."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m expert_stream.streaming.disk_bandwidth", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m expert_stream.streaming.lab.disk_bandwidth", description=main.__doc__)
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--blocks", default="768K,4M")
     ap.add_argument("--threads", default="1,4,8")

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ExpertStreamError
+from ..errors import ExpertStreamError
 
 
 class MemoryCapError(ExpertStreamError):

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .budget import REBALANCE_EVERY, HitCurve, rebalance
-from .policy import EvictionPolicy, POLICIES, make_policy
-from .traces import RoutingTrace
+from ..budget import REBALANCE_EVERY, HitCurve, rebalance
+from ..policy import EvictionPolicy, POLICIES, make_policy
+from ..traces import RoutingTrace
 
 NEVER = 1 << 40   # "never used again"; times num_experts stays far below int64 overflow
 

@@ -1,5 +1,5 @@
 """What other eviction policies would have missed on a replayed run (benchmark lab code): the
-project's trace simulator (streaming/policy_sim.py) fed with exactly the trace rows the run
+project's trace simulator (streaming/lab/policy_sim.py) fed with exactly the trace rows the run
 replayed, in the order it replayed them (warm-up and prefill included, uncounted), with each
 streamed layer's own slot count. Only the counted rows (the timed decode) are scored."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .policy import make_policy
+from ..policy import make_policy
 from .policy_sim import BeladyPolicy, simulate_layer
 from .replay import RoutingReplay
 
