@@ -15,8 +15,7 @@
   (posix_fadvise DONTNEED); "direct" reads the aligned covering range with O_DIRECT into an aligned
   bounce buffer and copies out (straight into the destination when everything is aligned);
   "nocache" is macOS F_NOCACHE; "none" leaves the page cache alone. "auto" is direct on Linux
-  (measured here: O_DIRECT through the reader matches raw O_DIRECT, fadvise is 25-30% slower),
-  nocache on macOS. When the OS refuses a mode (O_DIRECT on tmpfs) the reader falls back silently
+  (the fastest there: README, Measured), nocache on macOS. When the OS refuses a mode (O_DIRECT on tmpfs) the reader falls back silently
   and records what it uses in `.cache_bypass` (and why in `.cache_bypass_note`).
 - Errors: a missing file, a short read (truncated shard), EIO... raise `ReadError` naming the file,
   offset and length; a bad request (size mismatch, read-only destination) raises ValueError at
