@@ -413,13 +413,3 @@ def room_for_both(config: HostConfig, old: ModelEntry, memory_bytes: Optional[in
     headroom = int(config.options.headroom_gib * GIB)
     used = sum(e.resident_bytes + headroom for e in config.entries)
     return used + old.resident_bytes + headroom <= memory_limit(config.options, memory_bytes)
-
-
-def diff(old: Optional[HostConfig], new: HostConfig) -> tuple[list[str], list[str], list[str]]:
-    """(removed, changed, added) served ids, each in file order."""
-    before = old.by_id() if old else {}
-    after = new.by_id()
-    removed = [i for i in before if i not in after]
-    changed = [i for i in after if i in before and before[i].fingerprint != after[i].fingerprint]
-    added = [i for i in after if i not in before]
-    return removed, changed, added

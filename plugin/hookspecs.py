@@ -16,7 +16,8 @@ def register_architectures(register):
 
 @hookspec
 def register_hosts(register):
-    """Register HostAdapter objects: servers the plugin can start with streaming switched on."""
+    """Register HostAdapter objects (plugin/hosts/base.py: the protocol they satisfy): servers the
+    plugin can start with streaming switched on."""
 
 
 @hookspec(firstresult=True)

@@ -1,5 +1,6 @@
-"""Hot reload, the host-independent part: noticing that the config file changed, and keeping
-the record the status endpoint reports. Applying a reload is the host adapter's job."""
+"""Hot reload, the host-independent part: noticing that the config file changed, planning what
+a new config changes (`plan_reload`), and keeping the record the status endpoint reports.
+Executing the plan (stopping and starting models) is the host adapter's job."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from expert_stream.plugin.config import HostConfig, ModelEntry
 
 
 class FileWatcher:
@@ -39,6 +43,61 @@ class FileWatcher:
             self._changed_at = None
             return True
         return False
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    """What applying `new` over `old` (both validated) does, by served id, each list in file
+    order: `removed` entries go, `changed` ones reload, `added` ones load, `unchanged` ones keep
+    serving untouched. `beside` holds the changed ids whose new model fits in memory beside the
+    old one (`room_for_both`): a host that runs a process per model loads those before it
+    unloads the old one; otherwise the old one goes first."""
+
+    old: Optional["HostConfig"]
+    new: "HostConfig"
+    removed: tuple = ()
+    changed: tuple = ()
+    added: tuple = ()
+    unchanged: tuple = ()
+    beside: frozenset = frozenset()
+
+    @property
+    def unload(self) -> list["ModelEntry"]:
+        """The entries of the old config whose models stop serving: removed, then changed."""
+        before = self.old.by_id() if self.old else {}
+        return [before[i] for i in self.removed + self.changed]
+
+    @property
+    def load(self) -> list["ModelEntry"]:
+        """The entries of the new config whose models start: changed, then added."""
+        after = self.new.by_id()
+        return [after[i] for i in self.changed + self.added]
+
+    def applied(self) -> list[tuple[str, str]]:
+        """(action, model_id) for the `config_reloaded` hook, in the order they are applied."""
+        return [("removed", i) for i in self.removed] + [("changed", i) for i in self.changed] + \
+               [("added", i) for i in self.added]
+
+    def summary(self) -> dict:
+        return {"removed": list(self.removed), "changed": list(self.changed), "added": list(self.added)}
+
+
+def plan_reload(old: Optional["HostConfig"], new: "HostConfig", memory_bytes: Optional[int] = None) -> ReloadPlan:
+    """The one reload planner both hosts execute; `old` is None at start (everything is added).
+    An entry changes when anything its model depends on does (`ModelEntry.fingerprint`)."""
+    from expert_stream.plugin.config import room_for_both
+
+    before = old.by_id() if old else {}
+    after = new.by_id()
+    changed = tuple(i for i in after if i in before and before[i].fingerprint != after[i].fingerprint)
+    return ReloadPlan(
+        old=old, new=new,
+        removed=tuple(i for i in before if i not in after),
+        changed=changed,
+        added=tuple(i for i in after if i not in before),
+        unchanged=tuple(i for i in after if i in before and i not in changed),
+        beside=frozenset(i for i in changed if room_for_both(new, before[i], memory_bytes)),
+    )
 
 
 @dataclass
@@ -81,6 +140,13 @@ class ReloadRecord:
         self.last_error_at = time.time()
         self.failed_hash = text_hash
 
+    def applied(self, plan: ReloadPlan, reason: str, seconds: float, **extra) -> None:
+        """Record `plan` as applied (a reload, unless it is the first config at start)."""
+        self.applied_hash, self.applied_at = plan.new.text_hash, time.time()
+        if reason != "start":
+            self.reloads += 1
+        self.last_reload = {"reason": reason, **plan.summary(), "seconds": seconds, **extra}
+
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "models"}
         out["models"] = {mid: m.as_dict() for mid, m in self.models.items()}
@@ -94,6 +160,15 @@ def file_hash(path: Path) -> Optional[str]:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def unchanged_file(record: "ReloadRecord", applied: "HostConfig", new: "HostConfig") -> Optional[dict]:
+    """The answer to a reload whose file is the applied one again (a touch, or an edit undone
+    after a refused one), or None when there is something to apply."""
+    if new.text_hash != applied.text_hash:
+        return None
+    record.last_error = record.failed_hash = None  # back to the applied file
+    return {"ok": True, "unchanged": True, "applied": []}
 
 
 def refuse_reload(record: "ReloadRecord", path: Path, reason: str, exc: Exception) -> dict:

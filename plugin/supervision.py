@@ -14,33 +14,13 @@ import asyncio
 import logging
 import time
 
+from expert_stream.plugin.hosts.openai_server_compat import exit_code, fail_pending, process_alive
+
 log = logging.getLogger("expert_stream")
 
 POLL_S = 0.5
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0
-
-
-def fail_pending(proxy, message: str, error_type: str) -> int:
-    """Answer every request waiting on `proxy` with an error; returns how many there were."""
-    busy = [rid for rid in list(proxy._pending) if rid != "__ready__"]
-    for rid in busy:
-        queue = proxy._pending.get(rid)
-        if queue is None:
-            continue
-        reply = {"id": rid, "type": "error", "status_code": 503, "error_type": error_type, "message": message}
-        while True:
-            try:
-                queue.put_nowait(reply)
-                break
-            except asyncio.QueueFull:  # a stream's queue full of chunks: the error goes first
-                queue.get_nowait()
-    return len(busy)
-
-
-def process_alive(proxy) -> bool:
-    process = getattr(proxy, "_process", None)
-    return process is not None and process.is_alive()
 
 
 class ProcessSupervisor:
@@ -70,7 +50,7 @@ class ProcessSupervisor:
         dead = [mid for mid, proxy in self.reloader.proxies.items() if not process_alive(proxy)]
         for model_id in dead:
             proxy = self.reloader.proxies.pop(model_id)
-            code = getattr(proxy._process, "exitcode", None)
+            code = exit_code(proxy)
             now = time.monotonic()
             times = [t for t in self.deaths.get(model_id, []) if now - t < RESTART_WINDOW_S] + [now]
             self.deaths[model_id] = times

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import yaml
 
-from expert_stream.plugin.config import ConfigError, diff, load_host_config
+from expert_stream.plugin.config import ConfigError, load_host_config
 from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
 from expert_stream.plugin.reload import FileWatcher
 from plugin_fixtures import make_dense, make_moe, needs_openai_server
@@ -139,18 +139,6 @@ def test_mlx_lm_schema_refuses_host_keys_it_does_not_have(tmp_path):
     path = write(tmp_path, "models: [{model_path: /x, queue_timeout: 5}]")
     with pytest.raises(ConfigError, match=r"unknown key\(s\) queue_timeout for mlx_lm.server"):
         MLX_LM_SERVER.load_config(path, check_models=False)
-
-
-def test_diff_by_served_id(tmp_path, models):
-    def cfg(text):
-        return MLX_LM_SERVER.load_config(write(tmp_path, text), check_models=False)
-
-    old = cfg("models: [{model_path: /a, served_model_name: a, expert_stream: {budget_gib: 1}},"
-              " {model_path: /b, served_model_name: b}, {model_path: /c, served_model_name: c}]")
-    new = cfg("models: [{model_path: /a, served_model_name: a, expert_stream: {budget_gib: 2}},"
-              " {model_path: /c, served_model_name: c}, {model_path: /d, served_model_name: d}]")
-    assert diff(old, new) == (["b"], ["a"], ["d"])
-    assert diff(None, new) == ([], [], ["a", "c", "d"])
 
 
 def test_file_watcher_debounces_and_ignores_nothing(tmp_path):

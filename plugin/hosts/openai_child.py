@@ -12,10 +12,10 @@ KEY = "expert_stream"
 
 
 def child_worker(model_cfg_dict, queue_config, *rest):
-    from app.core import handler_process
+    from expert_stream.plugin.hosts.openai_server_compat import host_worker
 
     stream = queue_config.pop(KEY, None) if isinstance(queue_config, dict) else None
-    original = handler_process._handler_worker  # this process never patched it: the host's own
+    original = host_worker()  # this process never patched it: the host's own
     if stream is None:
         return original(model_cfg_dict, queue_config, *rest)
     from expert_stream.plugin.hosts import interception

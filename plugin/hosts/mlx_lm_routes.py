@@ -1,0 +1,63 @@
+"""What the plugin adds to mlx_lm.server's HTTP handler: GET /expert-stream/status and POST
+/expert-stream/reload (loopback programs only, see endpoint_guard), and a /v1/models that lists
+the configured served names (the host's lists the Hugging Face cache)."""
+
+from __future__ import annotations
+
+import json
+
+from expert_stream.plugin.endpoint_guard import refusal
+from expert_stream.plugin.redact import redact_errors
+
+STATUS_PATH = "/expert-stream/status"
+RELOAD_PATH = "/expert-stream/reload"
+MODELS_PATH = "/v1/models"
+
+
+def patch_handler(state) -> None:
+    """Answer the control routes and /v1/models in mlx_lm.server's APIHandler; everything else
+    goes to the host's own methods."""
+    Handler = state.internals.APIHandler
+    original_get, original_post = Handler.do_GET, Handler.do_POST
+
+    def reply(handler, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        handler.send_response(status)
+        handler.send_header("Content-type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+        handler.wfile.flush()
+
+    def refused(handler, path) -> bool:
+        # client_address is the socket's peer; see endpoint_guard for the rest.
+        headers = {k.lower(): v for k, v in handler.headers.items()}
+        why = refusal(handler.client_address[0], headers, state.bind_host)
+        if why:
+            reply(handler, 403, {"error": f"{path} {why}"})
+        return bool(why)
+
+    def do_GET(self):
+        route = self.path.split("?")[0]
+        if route == MODELS_PATH or route.startswith(MODELS_PATH + "/"):
+            # The host lists models of the Hugging Face cache; what it serves is the config.
+            return reply(self, 200, state.models_list(route[len(MODELS_PATH) + 1:] or None))
+        if route == STATUS_PATH:
+            return refused(self, STATUS_PATH) or reply(self, 200, redact_errors(state.status()))
+        return original_get(self)
+
+    def do_POST(self):
+        if self.path.split("?")[0] == RELOAD_PATH:
+            if refused(self, RELOAD_PATH):
+                return
+            result = state.reload("endpoint")
+            return reply(self, 200 if result["ok"] else 422, redact_errors(result))
+        return original_post(self)
+
+    def do_OPTIONS(self):  # no CORS preflight answer for the control endpoints
+        if self.path.split("?")[0] in (STATUS_PATH, RELOAD_PATH):
+            return reply(self, 403, {"error": "the control endpoints do not answer web pages"})
+        return original_options(self)
+
+    original_options = Handler.do_OPTIONS
+    Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS = do_GET, do_POST, do_OPTIONS

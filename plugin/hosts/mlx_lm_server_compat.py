@@ -1,0 +1,104 @@
+"""Every mlx_lm.server internal the adapter touches, and nowhere else: the start-up check of all
+of them (`check`), the patch of `ModelProvider` (its private `_load`), and the reads and writes of
+the provider's name maps, loaded-model key and batching flag. A mlx-lm whose internals differ is
+refused by `check` before anything starts, with a message naming the version and each internal
+that does not fit."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from expert_stream.plugin.hosts.base import parameter_names, refuse, source
+
+
+def check(host: str, version: str) -> SimpleNamespace:
+    import mlx_lm.server as server
+    import mlx_lm.utils
+    from expert_stream.plugin.hosts import interception
+
+    problems = []
+    provider = getattr(server, "ModelProvider", None)
+    if parameter_names(getattr(provider, "load", None))[:4] != ["self", "model_path", "adapter_path", "draft_model_path"]:
+        problems.append("ModelProvider.load(model_path, adapter_path, draft_model_path) is missing")
+    if not callable(getattr(provider, "_load", None)):
+        problems.append("ModelProvider._load is missing")
+    init_source = source(provider.__init__) if provider else ""
+    for attr in ("_model_map", "_adapter_map", "model_key", "is_batchable"):
+        if attr not in init_source:
+            problems.append(f"ModelProvider.{attr} is missing")
+    handler = getattr(server, "APIHandler", None)
+    for method in ("do_GET", "do_POST", "do_OPTIONS"):
+        if not callable(getattr(handler, method, None)):
+            problems.append(f"APIHandler.{method} is missing")
+    generator = getattr(server, "ResponseGenerator", None)
+    if not callable(getattr(generator, "generate", None)):
+        problems.append("ResponseGenerator.generate is missing")
+    if not callable(getattr(server, "main", None)):
+        problems.append("mlx_lm.server.main is missing")
+    if getattr(server, "load", None) is not mlx_lm.utils.load:
+        problems.append("mlx_lm.server does not load through mlx_lm.utils.load")
+    problems += interception.check()
+    refuse(host, version, problems)
+    return SimpleNamespace(version=version, server=server, Provider=provider, APIHandler=handler,
+                           ResponseGenerator=generator)
+
+
+def patch_provider(Provider, on_init, before_load, after_load) -> None:
+    """Wrap ModelProvider: `on_init(provider, cli_args)` after its __init__;
+    `before_load(provider, requested)` before `load`, mlx_lm.server's own safe point between
+    requests on the generation thread; `after_load(provider, folder, seconds)` after `_load`,
+    which actually loads a model (`folder` resolved)."""
+    original_init, original_load, original__load = Provider.__init__, Provider.load, Provider._load
+
+    def __init__(self, cli_args):
+        original_init(self, cli_args)
+        on_init(self, cli_args)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        before_load(self, model_path)
+        return original_load(self, model_path, adapter_path, draft_model_path)
+
+    def _load(self, model_path, *args, **kwargs):
+        t0 = time.perf_counter()
+        original__load(self, model_path, *args, **kwargs)
+        after_load(self, str(Path(model_path).resolve()), round(time.perf_counter() - t0, 2))
+
+    Provider.__init__, Provider.load, Provider._load = __init__, load, _load
+
+
+def set_names(provider, removed, entries) -> None:
+    """Drop the removed served names from the provider's name maps, and map each entry's name
+    to its folder and adapter."""
+    for alias in removed:
+        provider._model_map.pop(alias, None)
+        provider._adapter_map.pop(alias, None)
+    for entry in entries:
+        path = str(entry.resolved_path())
+        provider._model_map[entry.model_id] = path
+        adapter = entry.host_entry.get("adapter_path")
+        # mlx-lm 0.31 looks adapters up by folder, 0.32 by the requested name.
+        provider._adapter_map[entry.model_id] = adapter
+        provider._adapter_map[path] = adapter
+
+
+def set_default(provider, folder: str) -> None:
+    """What a request without a `model` (or naming `default_model`) gets."""
+    provider._model_map["default_model"] = folder
+
+
+def loaded_folder(provider) -> Optional[str]:
+    """The folder of the model the provider holds now, as the host recorded it (None: none)."""
+    key = getattr(provider, "model_key", None)
+    return key[0] if key else None
+
+
+def forget_loaded(provider) -> None:
+    """Make the provider's next `load` load again (a changed entry's new settings)."""
+    provider.model_key = None
+
+
+def serve_one_at_a_time(provider) -> None:
+    provider.is_batchable = False
