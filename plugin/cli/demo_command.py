@@ -113,12 +113,13 @@ def run_demo(args) -> int:
             answer = chat(base, "demo-moe", args.prompt, args.max_tokens)
             print(f"\nprompt: {args.prompt}\nanswer: {answer['choices'][0]['message']['content']!r}")
             print("(random weights: the text is noise; the point is that it streamed)\n")
-            model = fetch_json(base + "/expert-stream/status")["models"]["demo-moe"]
-            totals = (model.get("stats") or {}).get("totals") or {}
+            totals = cache_totals(base, "demo-moe")
             if totals:
                 print(f"cache: hit rate {totals['hit_rate']:.1%}, {totals['hits']} hits, {totals['misses']} misses, "
                       f"{totals['evictions']} evictions, {totals['bytes_read'] / 1e6:.2f} MB read in "
                       f"{totals['read_seconds']:.3f} s")
+            else:
+                print("cache: the model process gave no statistics within 30 s")
             if args.keep_running:
                 print("server keeps running; Ctrl-C stops it")
                 process.wait()
@@ -132,3 +133,15 @@ def run_demo(args) -> int:
                     process.wait()
     print("server stopped")
     return 0
+
+
+def cache_totals(base: str, model: str, within_s: float = 30.0) -> dict:
+    """The model's cache totals from the status endpoint; a process still finishing its request
+    answers the stats call late (status then gives none), so ask again for a while."""
+    deadline = time.monotonic() + within_s
+    while True:
+        entry = fetch_json(base + "/expert-stream/status")["models"][model]
+        totals = (entry.get("stats") or {}).get("totals") or {}
+        if totals or time.monotonic() > deadline:
+            return totals
+        time.sleep(1.0)
