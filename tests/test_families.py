@@ -17,7 +17,7 @@ import mlx_lm
 from expert_stream.streaming.errors import CheckpointError
 from expert_stream.streaming.footprint import checkpoint_footprint
 from expert_stream.streaming.synthetic import PRESETS, read_synth
-from expert_stream.streaming.synthetic.families import switch_families
+from expert_stream.streaming.synthetic.families import moe_families, switch_families
 from expert_stream.streaming.synthetic.structure import routed_expert_modules
 
 
@@ -27,10 +27,42 @@ def _skip_unavailable(arch: str) -> None:
         pytest.skip(reason)
 
 
+# Families found that no preset covers yet, each with the reason (a new one fails the test below).
+UNCOVERED = {
+    "gemma4": "Gemma 4's multimodal wrapper of gemma4_text (the text model has a preset); its "
+    "wrapper export layout has no synthetic preset yet",
+    "prism_hadamard_qwen35": "a 2-bit Hadamard-rotated pack of qwen3_5 with its own load-time "
+    "transform; not tested",
+}
+
+
+def _covering_preset(family: str):
+    """The preset that builds `family`'s model: its own, the VLM wrapper layout of one, or one
+    whose mlx-lm Model class is the family's or derives from it (qwen3_5_moe for qwen3_5)."""
+    import importlib
+
+    if family in PRESETS:
+        return family
+    for name, preset in PRESETS.items():
+        if preset.vlm is not None and preset.vlm.model_type == family:
+            return name
+    try:
+        model_class = importlib.import_module(f"mlx_lm.models.{family}").Model
+    except (ImportError, AttributeError):
+        return None
+    for name, preset in PRESETS.items():
+        if preset.available():
+            own = importlib.import_module(f"mlx_lm.models.{preset.module or name}").Model
+            if issubclass(own, model_class):
+                return name
+    return None
+
+
 def test_every_mlx_lm_moe_family_has_a_preset():
     families = switch_families()
     assert len(families) >= 30, f"the scan of mlx_lm.models found only {families}"
-    missing = [f for f in families if f not in PRESETS]
+    assert {"glm_moe_dsa", "solar_open", "qwen3_5"} <= set(moe_families()) - set(families)
+    missing = [f for f in moe_families() if _covering_preset(f) is None and f not in UNCOVERED]
     assert not missing, (
         f"mlx-lm {mlx_lm.__version__} has MoE families with no synthetic preset: "
         f"{', '.join(missing)}; add one to streaming/synthetic/presets_2026.py (or list the family "

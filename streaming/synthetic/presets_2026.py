@@ -6,7 +6,7 @@ PRESETS at the end of presets.py."""
 
 from __future__ import annotations
 
-from .presets import Dims, Mtp, Preset, VlmLayout, _common, _mla, deepseek_mtp, qwen_mtp
+from .presets import Dims, Mtp, Preset, VlmLayout, _common, _glm4_moe, _mla, deepseek_mtp, qwen_mtp
 
 
 def _every(n: int, period: int, offset: int = 0) -> list[int]:
@@ -425,6 +425,35 @@ def _deepseek_v32(d: Dims) -> dict:
     }
 
 
+def _glm_moe_dsa(d: Dims) -> dict:
+    # GLM-5: the DeepSeek-V3.2 model (mlx-lm reuses it) under GLM's config names.
+    cfg = {**_deepseek_v32(d), **_common(d, "glm_moe_dsa", "GlmMoeDsaForCausalLM")}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    return {**cfg, "attention_bias": False, "indexer_rope_interleave": True}
+
+
+def _solar_open(d: Dims) -> dict:
+    # Solar Open: mlx-lm builds it with the glm4_moe model.
+    cfg = {**_glm4_moe(d), **_common(d, "solar_open", "SolarOpenForCausalLM")}
+    return {**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _kimi_vl(d: Dims) -> dict:
+    # Kimi-VL's language model: the DeepSeek-V3 model under `language_model.` (names as the
+    # mlx-lm class has them; its sanitize drops the vision tower).
+    from .presets import _deepseek_v3
+
+    return {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl",
+            "text_config": {**_deepseek_v3(d), "model_type": "deepseek_v3"}}
+
+
+def _longcat_flash_ngram(d: Dims) -> dict:
+    # LongCat-Flash with n-gram embeddings beside the word embedding.
+    return {**_longcat_flash(d), "architectures": ["LongcatFlashNgramForCausalLM"],
+            "model_type": "longcat_flash_ngram", "ngram_vocab_size_ratio": 4, "emb_neighbor_num": 3,
+            "emb_split_num": 2}
+
+
 # ---------------------------------------------------------------- older families
 
 
@@ -703,12 +732,17 @@ PRESETS_2026 = [
     Preset("granitemoehybrid", _granitemoehybrid, layers=4,
            notes="Mamba-2 / attention hybrid, shared MLP, tied embeddings"),
     Preset("deepseek_v32", _deepseek_v32, layers=3, mtp=deepseek_mtp(), notes="DeepSeek-V3 plus the indexer"),
+    Preset("glm_moe_dsa", _glm_moe_dsa, layers=3, mtp=deepseek_mtp(), notes="GLM-5: the deepseek_v32 model"),
+    Preset("solar_open", _solar_open, layers=3, mtp=deepseek_mtp(), notes="the glm4_moe model"),
     Preset("deepseek", _deepseek, layers=3, notes="dense first layer, 2 shared experts"),
     Preset("dots1", _dots1, layers=3, notes="dense first layer, shared expert"),
     Preset("ernie4_5_moe", _ernie4_5_moe, layers=3, mtp=ERNIE_MTP, notes="dense first layer, shared expert"),
     Preset("exaone_moe", _exaone_moe, layers=4, mtp=qwen_mtp(), notes="sliding / full attention, dense first layer"),
     Preset("hunyuan", _hunyuan, notes="shared MLP beside the experts"),
     Preset("longcat_flash", _longcat_flash, mtp=qwen_mtp("model.mtp"), notes="two attentions per layer, zero experts"),
+    Preset("longcat_flash_ngram", _longcat_flash_ngram, mtp=qwen_mtp("model.mtp"),
+           notes="LongCat-Flash with n-gram embeddings"),
+    Preset("kimi_vl", _kimi_vl, layers=3, notes="the deepseek_v3 model under language_model."),
     Preset("mellum", _mellum, mlx_lm_since="0.32", notes="mlx-lm >= 0.32; sliding / full attention"),
     Preset("Klear", _klear, notes="shared expert"),
     Preset("afmoe", _afmoe, layers=4, notes="dense first layer, sliding / full attention"),
