@@ -2,8 +2,8 @@
 `mlx_lm.models` that builds its experts from `switch_layers` (SwitchGLU / SwitchMLP) is a family
 with stacked routed experts, and so is a module that builds on one (imports from it: GLM-5's
 glm_moe_dsa is the deepseek_v32 model, solar_open the glm4_moe one). Read as text, nothing
-imported, so a model file that fails to import is still counted. The tests hold every family found here to a synthetic preset: the day a new
-mlx-lm ships a family, a test names it."""
+imported, so a model file that fails to import is still counted. The tests hold every family
+found here to a synthetic preset: the day a new mlx-lm ships a family, a test names it."""
 
 from __future__ import annotations
 
