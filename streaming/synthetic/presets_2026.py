@@ -257,6 +257,9 @@ def _muse_spark(d: Dims) -> dict:
         "architectures": ["MuseSparkForConditionalGeneration"],
         "model_type": "muse_spark",
         "text_config": text,
+        # transformers (5.24) checks that the audio encoder's width is the text model's when the
+        # tokenizer loads the config; the real export carries the block
+        "audio_config": {"out_hidden_size": d.hidden},
         "tie_word_embeddings": False,
     }
 
