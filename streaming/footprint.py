@@ -22,10 +22,17 @@ class Footprint:
     layer_expert_bytes: tuple[int, ...]  # one expert of each MoE layer, all its tensors
     num_experts: tuple[int, ...]
     top_k: int | None
+    # tensors on disk that stock mlx-lm's sanitize drops at load (an MTP head, a vision tower)
+    dropped_bytes: int = 0
+
+    @property
+    def loaded_bytes(self) -> int:
+        """What stock mlx-lm holds in memory: trunk and every expert."""
+        return self.total_bytes - self.dropped_bytes
 
     @property
     def trunk_bytes(self) -> int:
-        return self.total_bytes - self.expert_bytes
+        return self.loaded_bytes - self.expert_bytes
 
     @property
     def bytes_per_slot_row(self) -> int:
@@ -78,4 +85,19 @@ def checkpoint_footprint(
         layer_expert_bytes=per_layer,
         num_experts=counts,
         top_k=spec.experts_per_token(index.config),
+        dropped_bytes=index.total_bytes() - _loaded_bytes(index, model, spec),
     )
+
+
+def _loaded_bytes(index: CheckpointIndex, model, spec: ArchitectureSpec) -> int:
+    """Bytes of the checkpoint's tensors the model holds: each parameter's tensor, found as the
+    engine finds expert tensors. A converted checkpoint stores parameters under their names, so
+    what no parameter claims is what sanitize drops (MTP layers, vision towers, tied heads)."""
+    from mlx.utils import tree_flatten
+
+    claimed = {}
+    for name, _ in tree_flatten(model.parameters()):
+        info = index.find(name, spec.key_candidates(name))
+        if info is not None:
+            claimed[info.name] = info.nbytes
+    return sum(claimed.values())

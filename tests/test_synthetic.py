@@ -24,6 +24,7 @@ from expert_stream.streaming.lab.synthetic import (
     estimate_size,
     layers_for_target,
     make_checkpoint,
+    read_synth,
 )
 from expert_stream.streaming.lab.synthetic import shards as shards_mod
 from expert_stream.streaming.lab.synthetic import weights as weights_mod
@@ -122,9 +123,12 @@ def test_loads_strict_and_generates(tiny, arch):
     assert len(tokenizer.get_vocab()) == text["vocab_size"]
     assert isinstance(tokenizer.decode(tokens), str)
 
-    # the file's tensor names are the model's parameter names: sanitize changed nothing
+    # the file's tensor names are the model's parameter names (sanitize changed nothing), plus
+    # the MTP head of families whose exports carry one (sanitize drops it)
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == {k for k, _ in tree_flatten(model.parameters())}
+    extra = set(index["weight_map"]) - {k for k, _ in tree_flatten(model.parameters())}
+    assert len(extra) == read_synth(path)["sizes"]["mtp_tensors"]
+    assert bool(extra) == (PRESETS[arch].mtp is not None)
 
     experts = expert_modules(model)
     assert experts, f"{arch}: no SwitchLinear expert blocks"
@@ -399,7 +403,7 @@ def test_killed_write_leaves_nothing(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- sizes
 
 
-@pytest.mark.parametrize("arch, kwargs", [("qwen3_moe", {}), ("nemotron_h", {"bits": 0}),
+@pytest.mark.parametrize("arch, kwargs", [("qwen3_moe", {}), ("nemotron_h", {"bits": 0}), ("glm4_moe", {}),
                                            ("gpt_oss", {}), ("qwen3_5_moe", {"vlm_layout": True})])
 def test_estimate_matches_written(tiny, arch, kwargs):
     path = tiny(arch, **kwargs)
@@ -410,7 +414,7 @@ def test_estimate_matches_written(tiny, arch, kwargs):
     expert = sum(v.nbytes for m in expert_modules(model).values()
                  for _, v in tree_flatten(m.parameters()))
     assert est["expert_bytes"] == expert
-    assert est["trunk_bytes"] == est["total_bytes"] - expert
+    assert est["trunk_bytes"] == est["total_bytes"] - est["mtp_bytes"] - expert
 
 
 def test_layers_for_target():

@@ -62,7 +62,7 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     top_k = fp.top_k or 1
     compute_source = "given" if t_compute is not None else None
     if t_compute is None and fp.expert_bytes <= plan_prediction.ALL_RESIDENT_MAX_BYTES \
-            and fp.total_bytes + reserve <= memory_bytes:
+            and fp.loaded_bytes + reserve <= memory_bytes:
         t_compute = plan_prediction.measure_compute(model_dir, experts * row / GIB * 1.0001, forced=False,
                                                        trust_remote_code=trust_remote_code)
         compute_source = "timed with every expert in a slot"
@@ -94,12 +94,15 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
     return {
         "model_dir": str(model_dir), "model_type": fp.model_type,
         "total_gib": round(fp.total_bytes / GIB, 3), "trunk_gib": round(fp.trunk_bytes / GIB, 3),
-        "expert_gib": round(fp.expert_bytes / GIB, 3), "moe_layers": len(fp.layer_expert_bytes),
+        "expert_gib": round(fp.expert_bytes / GIB, 3), "dropped_gib": round(fp.dropped_bytes / GIB, 3),
+        # exact bytes: trunk + experts is what stock loads; dropped is on disk only (MTP, vision)
+        "total_bytes": fp.total_bytes, "trunk_bytes": fp.trunk_bytes, "expert_bytes": fp.expert_bytes,
+        "dropped_bytes": fp.dropped_bytes, "moe_layers": len(fp.layer_expert_bytes),
         "experts_per_layer": experts, "top_k": fp.top_k,
         "token_expert_gib": round(fp.token_expert_bytes / GIB, 4), "min_budget_gib": round(fp.min_budget_gib, 4),
         "memory_gib": round(memory_bytes / GIB, 2), "kv_cache_gib": round(kv / GIB, 3), "context": context,
         "reserve_gib": SYSTEM_RESERVE_GIB, "largest_budget_gib": round(max(room, 0) / GIB, 3),
-        "fits_stock": fp.total_bytes + kv + reserve <= memory_bytes,
+        "fits_stock": fp.loaded_bytes + kv + reserve <= memory_bytes,
         "disk_gbps": round(bandwidth_gbps, 3),
         "t_compute_ms": round(t_compute * 1e3, 3) if t_compute is not None else None,
         "t_compute_source": compute_source,
@@ -152,7 +155,9 @@ def run_plan(args) -> int:
         return 0
     print(f"layout:   {plan['model_type']}, {plan['moe_layers']} MoE layers x {plan['experts_per_layer']} experts, "
           f"top-{plan['top_k']}")
-    print(f"size:     {plan['total_gib']} GiB = trunk {plan['trunk_gib']} GiB + experts {plan['expert_gib']} GiB")
+    dropped = f" + {plan['dropped_gib']} GiB stock drops at load (MTP, vision)" if plan["dropped_bytes"] else ""
+    print(f"size:     {plan['total_gib']} GiB = trunk {plan['trunk_gib']} GiB + experts {plan['expert_gib']} GiB"
+          f"{dropped}")
     print(f"memory:   {plan['memory_gib']} GiB; KV cache for {plan['context']} tokens {plan['kv_cache_gib']} GiB; "
           f"reserve {plan['reserve_gib']} GiB")
     print(f"stock:    {'fits' if plan['fits_stock'] else 'does not fit'} in memory")

@@ -129,6 +129,8 @@ def run_synth(args) -> int:
     print(f"experts:    {_size(sizes['expert_bytes'])} "
           f"({_size(sizes['bytes_per_expert'])} per expert per layer)")
     print(f"trunk:      {_size(sizes['trunk_bytes'])}")
+    if sizes["mtp_bytes"]:
+        print(f"MTP head:   {_size(sizes['mtp_bytes'])} in {sizes['mtp_tensors']} tensors (stock drops it at load)")
     if path:
         print(f"written in: {seconds:.1f} s")
     return 0

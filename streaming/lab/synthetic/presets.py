@@ -74,6 +74,39 @@ class VlmLayout:
 
 
 @dataclass(frozen=True)
+class Mtp:
+    """Where a family's real export keeps its multi-token-prediction (MTP) head, which mlx-lm's
+    `sanitize` drops at load. Names are full tensor names; "{n}" is num_hidden_layers.
+
+    layer: prefix of the MTP decoder layer, written with the tensors of the model's last MoE
+           layer (stacked experts, quantized as the trunk): the case where an index that went by
+           names alone would find one more expert layer.
+    norms: the head's norm vectors (hidden); projs: its linears (2 x hidden -> hidden)."""
+
+    layer: str
+    norms: tuple[str, ...] = ()
+    projs: tuple[str, ...] = ()
+
+    def names(self, layers: int) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        n = str(layers)
+        return (self.layer.replace("{n}", n), tuple(x.replace("{n}", n) for x in self.norms),
+                tuple(x.replace("{n}", n) for x in self.projs))
+
+
+def deepseek_mtp(layer: str = "model.layers.{n}") -> Mtp:
+    """DeepSeek-V3's layout (GLM-4.5, Step-3.5, Ling 2.5 alike): one more decoder layer after the
+    last, with its embedding / hidden norms, their projection and the shared head's norm."""
+    return Mtp(layer, norms=(f"{layer}.enorm.weight", f"{layer}.hnorm.weight", f"{layer}.shared_head.norm.weight"),
+               projs=(f"{layer}.eh_proj",))
+
+
+def qwen_mtp(root: str = "mtp") -> Mtp:
+    """Qwen3.5's layout (MiMo-V2, LongCat, K-EXAONE alike): an `mtp` module beside the model."""
+    return Mtp(f"{root}.layers.0", norms=(f"{root}.norm.weight", f"{root}.pre_fc_norm_embedding.weight",
+                                          f"{root}.pre_fc_norm_hidden.weight"), projs=(f"{root}.fc",))
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     build: Callable[[Dims], dict]
@@ -97,6 +130,8 @@ class Preset:
     mlx_lm_since: Optional[str] = None
     # Stock mlx-lm runs the family through Metal-only kernels: no forward pass elsewhere.
     metal_only: bool = False
+    # The MTP head the family's exports carry and its sanitize drops (text layout only).
+    mtp: Optional[Mtp] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why the installed mlx-lm cannot build this family, or None when it can."""
@@ -661,6 +696,7 @@ PRESETS: dict[str, Preset] = {
             layers=4,
             min_layers=2,
             vlm=VlmLayout("native"),
+            mtp=qwen_mtp(),
             notes="names always start with language_model. (mlx-lm class wraps the text model)",
         ),
         Preset(
@@ -668,6 +704,7 @@ PRESETS: dict[str, Preset] = {
             _deepseek_v3,
             layers=3,
             max_layers=61,
+            mtp=deepseek_mtp("model.layers.61"),  # sanitize drops layer 61 by number
             vlm=VlmLayout(
                 "wrapper",
                 model_type="kimi_k25",
@@ -677,7 +714,7 @@ PRESETS: dict[str, Preset] = {
             notes="first_k_dense_replace dense layers, shared experts, raw router matrix "
             "(mlp.gate.weight, zero-initialized in mlx-lm), e_score_correction_bias kept float32",
         ),
-        Preset("glm4_moe", _glm4_moe, layers=3, notes="dense first layer, shared expert"),
+        Preset("glm4_moe", _glm4_moe, layers=3, mtp=deepseek_mtp(), notes="dense first layer, shared expert"),
         Preset(
             "gpt_oss",
             _gpt_oss,
@@ -699,6 +736,7 @@ PRESETS: dict[str, Preset] = {
             "nemotron_h",
             _nemotron_h,
             layers=4,
+            mtp=qwen_mtp(),
             finalize=_nemotron_finalize,
             notes="backbone.layers.N.mixer.switch_mlp (SwitchMLP fc1/fc2, relu2); "
             "layers follow hybrid_override_pattern",
@@ -708,6 +746,7 @@ PRESETS: dict[str, Preset] = {
             _kimi_linear,
             layers=4,
             min_layers=2,
+            mtp=qwen_mtp("model.mtp"),
             notes="KDA linear attention + MLA; dense first layer; experts at mlp.switch_mlp",
         ),
         Preset("minimax", _minimax, notes="experts at block_sparse_moe.switch_mlp"),
@@ -726,6 +765,7 @@ PRESETS: dict[str, Preset] = {
             "glm4_moe_lite",
             _glm4_moe_lite,
             layers=3,
+            mtp=deepseek_mtp(),
             notes="MLA + noaux_tc sigmoid routing (GLM-4.7-Flash)",
         ),
         Preset(

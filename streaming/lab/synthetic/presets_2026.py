@@ -6,7 +6,7 @@ PRESETS at the end of presets.py."""
 
 from __future__ import annotations
 
-from .presets import Dims, Preset, VlmLayout, _common, _mla
+from .presets import Dims, Mtp, Preset, VlmLayout, _common, _glm4_moe, _mla, deepseek_mtp, qwen_mtp
 
 
 def _every(n: int, period: int, offset: int = 0) -> list[int]:
@@ -257,6 +257,9 @@ def _muse_spark(d: Dims) -> dict:
         "architectures": ["MuseSparkForConditionalGeneration"],
         "model_type": "muse_spark",
         "text_config": text,
+        # transformers (5.24) checks that the audio encoder's width is the text model's when the
+        # tokenizer loads the config; the real export carries the block
+        "audio_config": {"out_hidden_size": d.hidden},
         "tie_word_embeddings": False,
     }
 
@@ -423,6 +426,35 @@ def _deepseek_v32(d: Dims) -> dict:
         "max_position_embeddings": 163840,
         "num_nextn_predict_layers": 1,
     }
+
+
+def _glm_moe_dsa(d: Dims) -> dict:
+    # GLM-5: the DeepSeek-V3.2 model (mlx-lm reuses it) under GLM's config names.
+    cfg = {**_deepseek_v32(d), **_common(d, "glm_moe_dsa", "GlmMoeDsaForCausalLM")}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    return {**cfg, "attention_bias": False, "indexer_rope_interleave": True}
+
+
+def _solar_open(d: Dims) -> dict:
+    # Solar Open: mlx-lm builds it with the glm4_moe model.
+    cfg = {**_glm4_moe(d), **_common(d, "solar_open", "SolarOpenForCausalLM")}
+    return {**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _kimi_vl(d: Dims) -> dict:
+    # Kimi-VL's language model: the DeepSeek-V3 model under `language_model.` (names as the
+    # mlx-lm class has them; its sanitize drops the vision tower).
+    from .presets import _deepseek_v3
+
+    return {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl",
+            "text_config": {**_deepseek_v3(d), "model_type": "deepseek_v3"}}
+
+
+def _longcat_flash_ngram(d: Dims) -> dict:
+    # LongCat-Flash with n-gram embeddings beside the word embedding.
+    return {**_longcat_flash(d), "architectures": ["LongcatFlashNgramForCausalLM"],
+            "model_type": "longcat_flash_ngram", "ngram_vocab_size_ratio": 4, "emb_neighbor_num": 3,
+            "emb_split_num": 2}
 
 
 # ---------------------------------------------------------------- older families
@@ -670,16 +702,21 @@ def _step3p5(d: Dims) -> dict:
     }
 
 
+# ERNIE 4.5's MTP head: numbered blocks beside the model's layers.
+ERNIE_MTP = Mtp("model.mtp_block.0", norms=("model.mtp_emb_norm.0.weight", "model.mtp_hidden_norm.0.weight"),
+                projs=("model.mtp_linear_proj.0",))
+
 PRESETS_2026 = [
     Preset("deepseek_v41", _deepseek_v41, mlx_lm_since="0.32", layers=3, notes="mlx-lm >= 0.32; hyper-connections, "
            "compressed KV, a layer cache of its own (not rewound: decode runs layer by layer)"),
     Preset("kimi_k3", _kimi_k3, mlx_lm_since="0.32", layers=4, min_layers=2, vlm=VlmLayout("native"),
+           mtp=deepseek_mtp("language_model.model.layers.{n}"),
            notes="mlx-lm >= 0.32; KDA + MLA, attention residuals, latent MoE (experts at "
            "routed_expert_hidden_size); names start with language_model."),
     Preset("mistral4", _mistral4, mlx_lm_since="0.32", layers=3, notes="mlx-lm >= 0.32; MLA, shared expert"),
     Preset("gemma4_text", _gemma4_text, layers=3,
            notes="dense MLP and MoE side by side in every layer; tied embeddings"),
-    Preset("mimo_v2_flash", _mimo_v2_flash, layers=4, min_layers=2,
+    Preset("mimo_v2_flash", _mimo_v2_flash, layers=4, min_layers=2, mtp=qwen_mtp("model.mtp"),
            notes="sliding / global attention with sinks, dense first layer"),
     Preset("minimax_m3_vl", _minimax_m3_vl, mlx_lm_since="0.32", layers=3, vlm=VlmLayout("native"),
            notes="mlx-lm >= 0.32; the language model of MiniMax-M3 (names start with "
@@ -687,9 +724,9 @@ PRESETS_2026 = [
     Preset("muse_spark", _muse_spark, mlx_lm_since="0.32", metal_only=True, layers=2,
            notes="mlx-lm >= 0.32; attention runs through Metal-only kernels in stock mlx-lm: "
            "no forward pass on CPU or CUDA"),
-    Preset("bailing_moe_v3", _bailing_moe_v3, mlx_lm_since="0.32", layers=4, min_layers=2,
+    Preset("bailing_moe_v3", _bailing_moe_v3, mlx_lm_since="0.32", layers=4, min_layers=2, mtp=deepseek_mtp(),
            notes="mlx-lm >= 0.32; KDA + MLA groups, dense first layer, shared expert"),
-    Preset("bailing_hybrid", _bailing_hybrid, mlx_lm_since="0.32", layers=4, min_layers=2,
+    Preset("bailing_hybrid", _bailing_hybrid, mlx_lm_since="0.32", layers=4, min_layers=2, mtp=deepseek_mtp(),
            notes="mlx-lm >= 0.32; linear attention + MLA groups, dense first layer"),
     Preset("bailing_moe_linear", _bailing_moe_linear, layers=4, min_layers=2,
            notes="linear attention groups, dense first layer, shared expert"),
@@ -697,17 +734,22 @@ PRESETS_2026 = [
     Preset("jamba", _jamba, layers=4, notes="Mamba / attention hybrid, MoE every other layer"),
     Preset("granitemoehybrid", _granitemoehybrid, layers=4,
            notes="Mamba-2 / attention hybrid, shared MLP, tied embeddings"),
-    Preset("deepseek_v32", _deepseek_v32, layers=3, notes="DeepSeek-V3 plus the indexer"),
+    Preset("deepseek_v32", _deepseek_v32, layers=3, mtp=deepseek_mtp(), notes="DeepSeek-V3 plus the indexer"),
+    Preset("glm_moe_dsa", _glm_moe_dsa, layers=3, mtp=deepseek_mtp(), notes="GLM-5: the deepseek_v32 model"),
+    Preset("solar_open", _solar_open, layers=3, mtp=deepseek_mtp(), notes="the glm4_moe model"),
     Preset("deepseek", _deepseek, layers=3, notes="dense first layer, 2 shared experts"),
     Preset("dots1", _dots1, layers=3, notes="dense first layer, shared expert"),
-    Preset("ernie4_5_moe", _ernie4_5_moe, layers=3, notes="dense first layer, shared expert"),
-    Preset("exaone_moe", _exaone_moe, layers=4, notes="sliding / full attention, dense first layer"),
+    Preset("ernie4_5_moe", _ernie4_5_moe, layers=3, mtp=ERNIE_MTP, notes="dense first layer, shared expert"),
+    Preset("exaone_moe", _exaone_moe, layers=4, mtp=qwen_mtp(), notes="sliding / full attention, dense first layer"),
     Preset("hunyuan", _hunyuan, notes="shared MLP beside the experts"),
-    Preset("longcat_flash", _longcat_flash, notes="two attentions per layer, zero experts"),
+    Preset("longcat_flash", _longcat_flash, mtp=qwen_mtp("model.mtp"), notes="two attentions per layer, zero experts"),
+    Preset("longcat_flash_ngram", _longcat_flash_ngram, mtp=qwen_mtp("model.mtp"),
+           notes="LongCat-Flash with n-gram embeddings"),
+    Preset("kimi_vl", _kimi_vl, layers=3, notes="the deepseek_v3 model under language_model."),
     Preset("mellum", _mellum, mlx_lm_since="0.32", notes="mlx-lm >= 0.32; sliding / full attention"),
     Preset("Klear", _klear, notes="shared expert"),
     Preset("afmoe", _afmoe, layers=4, notes="dense first layer, sliding / full attention"),
     Preset("phimoe", _phimoe, experts=8, top_k=2),
     Preset("phixtral", _phixtral, experts=4, top_k=2),
-    Preset("step3p5", _step3p5, layers=3, notes="dense first layer, shared expert, sliding / full"),
+    Preset("step3p5", _step3p5, layers=3, mtp=deepseek_mtp(), notes="dense first layer, shared expert, sliding / full"),
 ]

@@ -8,6 +8,7 @@ import re
 from typing import Optional
 
 from .errors import SyntheticError
+from .mtp import nbytes
 from .presets import get_preset
 from .shards import plan_shards
 from .spec import SynthSpec, materialize, resolve_spec
@@ -16,25 +17,31 @@ from .spec import SynthSpec, materialize, resolve_spec
 _LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 
-def summarize(spec: SynthSpec, weights: dict, expert_names: set[str], total_parameters: int) -> dict:
+def summarize(spec: SynthSpec, weights: dict, expert_names: set[str], total_parameters: int,
+              mtp: Optional[dict] = None) -> dict:
+    """trunk_bytes and expert_bytes count what stock mlx-lm loads; mtp_bytes the MTP head it
+    drops; total_bytes everything on disk."""
     sizes = {k: v.nbytes for k, v in weights.items()}
+    mtp_sizes = {k: nbytes(shape, dtype) for k, (shape, dtype) in (mtp or {}).items()}
     expert_bytes = sum(n for k, n in sizes.items() if k in expert_names)
     per_layer: dict[int, int] = {}
     for k in expert_names:
         m = _LAYER.search(k)
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + sizes[k]
-    total = sum(sizes.values())
+    loaded = sum(sizes.values())
     return {
-        "total_bytes": total,
+        "total_bytes": loaded + sum(mtp_sizes.values()),
         "expert_bytes": expert_bytes,
-        "trunk_bytes": total - expert_bytes,
+        "trunk_bytes": loaded - expert_bytes,
+        "mtp_bytes": sum(mtp_sizes.values()),
+        "mtp_tensors": len(mtp_sizes),
         "moe_layers": len(per_layer),
         "experts": spec.experts,
         "expert_bytes_per_layer": {str(k): per_layer[k] for k in sorted(per_layer)},
         "bytes_per_expert": max(per_layer.values()) // spec.experts if per_layer else 0,
-        "n_tensors": len(sizes),
-        "n_shards": len(plan_shards(sizes, spec.shard_size_mb << 20)),
+        "n_tensors": len(sizes) + len(mtp_sizes),
+        "n_shards": len(plan_shards({**sizes, **mtp_sizes}, spec.shard_size_mb << 20)),
         "total_parameters": total_parameters,
         "layers": spec.layers,
     }
@@ -47,7 +54,7 @@ def estimate_size(arch: str = "qwen3_moe", **kwargs) -> dict:
     kwargs.pop("progress", None)
     spec = resolve_spec(arch, **kwargs)
     m = materialize(spec, values=False)
-    return summarize(spec, m.weights, m.expert_names, m.total_parameters)
+    return summarize(spec, m.weights, m.expert_names, m.total_parameters, m.mtp)
 
 
 def layers_for_target(arch: str, target_bytes: int, **kwargs) -> int:

@@ -16,13 +16,14 @@ from . import quantization
 from .config import build_config, text_config, vision_tensors
 from .errors import SyntheticError
 from .presets import Dims, get_preset
+from .mtp import mtp_groups, mtp_specs
 from .structure import expert_param_names
 from .tokenizer import MIN_VOCAB_SIZE
 from .shards import TensorGroup
 from .weights import DTYPES, build_model, flat_weights, quantized_expert_draw, randomize
 
 DEFAULT_VOCAB_SIZE = 1024
-FORMAT_VERSION = 1  # bump when the same arguments would give different bytes
+FORMAT_VERSION = 2  # bump when the same arguments would give different bytes
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class Materialized:
     groups: list[TensorGroup]  # how the writer produces them, chunk by chunk
     expert_names: set[str]  # names of routed-expert tensors
     total_parameters: int
+    # the MTP head stock drops at load: name -> (shape, dtype); written after `weights`
+    mtp: dict = field(default_factory=dict)
 
 
 def materialize(spec: SynthSpec, *, values: bool = True) -> Materialized:
@@ -145,7 +148,12 @@ def materialize(spec: SynthSpec, *, values: bool = True) -> Materialized:
         vision = vision_tensors(config, preset.vlm.vision_prefix, spec.seed, DTYPES[spec.dtype])
         weights.update(vision)
         groups += [_single(weights, name) for name in vision]
-    return Materialized(config, weights, groups, experts, total_parameters)
+    mtp = {}
+    if preset.mtp is not None and not spec.vlm_layout:
+        mtp = mtp_specs(preset.mtp, spec.layers, spec.hidden, weights, experts,
+                        spec.quant, DTYPES[spec.dtype])
+        groups += mtp_groups(mtp, spec.seed)
+    return Materialized(config, weights, groups, experts, total_parameters, mtp)
 
 
 def _single(weights: dict, name: str) -> TensorGroup:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import SyntheticError
+from .mtp import nbytes
 from .shards import write_shards
 from .sizing import summarize
 from .spec import SynthSpec, materialize, resolve_spec
@@ -115,8 +116,9 @@ def _write(tmp: Path, spec: SynthSpec, identity: dict, progress: bool) -> None:
     tmp.mkdir(parents=True)
     m = materialize(spec)
     groups, config = m.groups, m.config
-    summary = summarize(spec, m.weights, m.expert_names, m.total_parameters)
+    summary = summarize(spec, m.weights, m.expert_names, m.total_parameters, m.mtp)
     specs = {k: (v.shape, v.dtype, v.nbytes) for k, v in m.weights.items()}
+    specs.update({k: (shape, dtype, nbytes(shape, dtype)) for k, (shape, dtype) in m.mtp.items()})
     del m  # the groups must hold the only references: each tensor is freed once written
     gc.collect()
 
