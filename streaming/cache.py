@@ -38,6 +38,7 @@ class LayerStats:
     overlap_calls: int = 0  # decode calls whose hits computed while their misses were read
     resident_calls: int = 0  # calls with every expert in a slot: no sync, hits not counted
     skipped_misses: int = 0  # lossy skip_miss_below: misses dropped instead of read
+    bypassed: int = 0  # misses the policy did not admit: read for their call into scratch, not kept
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +86,23 @@ class ExpertCache:
         missing = needed[~hit]
         self.stats.misses += int(missing.size)
         return missing
+
+    def admitted(self, missing: np.ndarray, protected: np.ndarray) -> np.ndarray:
+        """Of a call's `missing` experts, the ones that take a slot: all that find a free one,
+        and of the rest those the policy admits against the victims it would evict for them
+        (the simulator, policy_sim.py, decides the same way). The others are read for the call
+        only and leave every slot as it was."""
+        free = int(np.count_nonzero((self.expert_in == EMPTY) & (self.incoming == EMPTY)))
+        if missing.size <= free:
+            return missing
+        resident = self.expert_in[self.expert_in != EMPTY]
+        guard = np.isin(resident, protected)
+        need = missing.size - free
+        if int((~guard).sum()) < need:
+            return missing  # place() refuses it with the counts
+        victims = np.asarray(self.policy.choose_victims(resident, need, guard))
+        admitted, _ = self.policy.admission(missing[free:], victims)
+        return np.sort(np.concatenate([missing[:free], np.asarray(admitted, dtype=missing.dtype)]))
 
     def holds_all(self) -> bool:
         """Every expert of the layer sits in a slot: the table cannot change any more."""

@@ -3,7 +3,8 @@
 - ResidentPath: every expert of the layer in a slot; stock's call on the device slot table.
 - ComputeFloor: benchmark only, every lookup made a hit (no reads) to time compute alone.
 - LayerByLayer: the call's routing comes to the host, its misses are read (hits computing
-  meanwhile), and the lookahead starts reading the next layer's guessed experts.
+  meanwhile), and the lookahead starts reading the next layer's guessed experts. A decode
+  token's misses the policy does not admit are read into a scratch buffer for that call only.
 - LossySkip: skip_miss_below; a decode token's light misses are dropped instead of read.
 The prefill sweep (more experts than slots) is prefill_sweep.PrefillSweep.
 """
@@ -17,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
+from .prefill_sweep import with_arrays
 
 
 def stock_sorts(indices_size: int) -> bool:
@@ -103,14 +105,66 @@ class LayerByLayer:
     def __call__(self, x: mx.array, indices: mx.array, call: RoutedCall) -> mx.array:
         store = self.layer.store
         missing = store.cache.access(call.needed)
+        passing = self._not_admitted(missing, call)
+        if passing.size:
+            missing = np.setdiff1d(missing, passing)
         reads = store.start_reads(missing, protected=call.needed) if missing.size else None
+        passing_reads = self._read_passing(passing) if passing.size else None
         self.issue_guess(call)
+        if passing_reads is not None:
+            return self._with_passing(x, call.ids, missing, reads, passing, passing_reads)
         if reads is None:
             return self.layer.whole(x, indices, call.ids)
         if self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts:
             return self._overlapped(x, call.ids, missing, reads)
         store.finish_reads(reads)
         return self.layer.whole(x, indices, call.ids)
+
+    def _not_admitted(self, missing: np.ndarray, call: RoutedCall) -> np.ndarray:
+        """A decode token's misses the policy declines to keep (read into scratch for this
+        call only); none where there is no scratch or they would not fit one batch of it."""
+        scratch = self.layer.sweep.scratch
+        if not missing.size or not call.single_token or call.sorts or scratch is None:
+            return missing[:0]
+        cache = self.layer.store.cache
+        passing = np.setdiff1d(missing, cache.admitted(missing, protected=call.needed))
+        return passing if passing.size <= scratch.batch else passing[:0]
+
+    def _read_passing(self, passing: np.ndarray):
+        store = self.layer.store
+        store.cache.stats.bypassed += int(passing.size)
+        buffer = self.layer.sweep.scratch.buffers(store.slots.tensors)[0]
+        return store.read_into(buffer, passing, np.arange(passing.size, dtype=np.int32))
+
+    def _with_passing(self, x, ids, missing, reads, passing, passing_reads):
+        """One token whose declined misses compute from a scratch buffer: hits first (while
+        everything is read), then the admitted misses from their slots, then the rest."""
+        layer, store = self.layer, self.layer.store
+        cache = store.cache
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        rows = token_rows(x)
+        plan = layer.row_plan(k, cache.num_slots, False)
+        in_scratch = np.isin(flat, passing)
+        read_now = np.isin(flat, missing)
+        hit_pos = np.flatnonzero(~in_scratch & ~read_now)
+        ys, ps = call_pairs(layer.inner, rows, hit_pos, cache.slot_of[flat[hit_pos]], k, False, plan)
+        if ys:
+            mx.async_eval(ys)
+        if reads is not None:
+            store.finish_reads(reads, pending=ys)
+            pos = np.flatnonzero(read_now)
+            y, p = call_pairs(layer.inner, rows, pos, cache.slot_of[flat[pos]], k, False, plan)
+            ys, ps = ys + y, ps + p
+        store.finish_reads(passing_reads)
+        buffer = passing_reads.target
+        local = np.full(cache.num_experts, -1, dtype=np.int32)
+        local[passing] = np.arange(passing.size, dtype=np.int32)
+        pos = np.flatnonzero(in_scratch)
+        y, p = call_pairs(with_arrays(layer.inner, buffer.arrays), rows, pos, local[flat[pos]], k, False,
+                          layer.row_plan(k, buffer.num_slots, False))
+        mx.eval(y)  # the scratch buffer is free for the next layer once this ran
+        return unflatten_pairs(stitch(ys + y, ps + p, axis=0), ids.shape)
 
     def _overlapped(self, x, ids, missing, reads):
         """One token: compute its resident experts while the missing ones are read."""

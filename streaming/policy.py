@@ -12,6 +12,10 @@ The interface (all of it):
     choose_victims(resident, count, protected) -> ids
                                 ``count`` distinct ids from ``resident[~protected]``
     resize(slots)               the layer's slot count changed (online budgets)
+    admission(candidates, victims) -> (admitted, evicted)
+                                of a call's misses that find no free slot and the victims
+                                chosen for them, which misses take a slot and which victims
+                                leave; a miss not admitted is read for this call only
 
 These run per MoE layer per token, so each is a few numpy operations on arrays indexed by
 expert id. Time is counted in accesses (expert ids seen by ``on_access``) and every horizon is
@@ -64,6 +68,10 @@ class EvictionPolicy:
 
     def resize(self, slots: int) -> None:
         """The layer now has ``slots`` slots (online budgets); horizons keep their first C."""
+
+    def admission(self, candidates: np.ndarray, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every miss takes a slot (only the default policy declines some)."""
+        return candidates, victims
 
     # -- helpers ---------------------------------------------------------------------------
     def _pick(self, cand: np.ndarray, key: np.ndarray | None, count: int) -> np.ndarray:
@@ -210,17 +218,34 @@ class AdaptivePolicy(EvictionPolicy):
         self._kth = self.num_experts - slots
         self._judging = slots < self.num_experts and self.members > 1
 
-    def choose_victims(self, resident, count, protected):
-        cand = resident[~protected]
+    def _leader_key(self, experts: np.ndarray) -> np.ndarray | None:
+        """The leading member's ranking of `experts` (higher: kept longer); None for recency."""
         j = self.leader
         if j == 0:
-            return self._pick(cand, None, count)
+            return None
         nh = self.score.shape[0]
         if j <= nh:
-            return self._pick(cand, self.score[j - 1, cand], count)
-        key = self.score[self.win_rows[j - 1 - nh], cand]
-        key = key + (self.stamp[cand] > (self.clock - self.window)) * self._BIG
-        return self._pick(cand, key, count)
+            return self.score[j - 1, experts]
+        key = self.score[self.win_rows[j - 1 - nh], experts]
+        return key + (self.stamp[experts] > (self.clock - self.window)) * self._BIG
+
+    def choose_victims(self, resident, count, protected):
+        cand = resident[~protected]
+        return self._pick(cand, self._leader_key(cand), count)
+
+    def admission(self, candidates, victims):
+        """A miss replaces a victim only where the leading member ranks it higher: the best
+        candidate against the weakest victim, and so on. Under recency a miss is the most
+        recent expert, so all are admitted; under a count, a one-off expert that would push
+        out a popular one is read for its call and not kept."""
+        key_c = self._leader_key(candidates)
+        if key_c is None or candidates.size == 0:
+            return candidates, victims
+        key_v = self._leader_key(victims)
+        best = candidates[np.lexsort((-self.stamp[candidates], -key_c))]
+        weakest = victims[np.lexsort((self.stamp[victims], key_v))]
+        wins = int(np.count_nonzero(np.sort(key_c)[::-1] > np.sort(key_v)))
+        return best[:wins], weakest[:wins]
 
 
 class AccessOrder:
@@ -257,6 +282,9 @@ class AccessOrder:
 
     def choose_victims(self, resident: np.ndarray, count: int, protected: np.ndarray) -> np.ndarray:
         return self.policy.choose_victims(resident, count, protected)
+
+    def admission(self, candidates: np.ndarray, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.policy.admission(candidates, victims)
 
     def resize(self, slots: int) -> None:
         self.policy.resize(slots)

@@ -17,7 +17,9 @@ The definition (it reproduces the reference table of ``shared/moe_traces/README.
   order, as ``np.unique`` gives them, hits and misses), then, when the misses do not fit in the
   free slots, ``choose_victims(resident, n, protected)`` with the token's own experts protected
   (pinned), then ``on_evict`` per victim and ``on_insert`` per missed expert in ascending id
-  order. Every miss is inserted (no bypass): after warm-up the cache stays full.
+  order. The misses beyond the free slots are first offered with their victims to
+  ``admission``; a miss it declines is not inserted (read for its token only) and its victim
+  stays. After warm-up the cache stays full.
   tests/test_policy.py replays traces through the engine's ``ExpertCache`` (access first, and
   placed first as a warm start does) and checks it misses what this simulator misses.
 - Hit rate of a layer = hits / accesses over the replayed decode tokens.
@@ -123,7 +125,7 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
     free = list(range(capacity - 1, -1, -1))    # pop() gives slot 0 first
     need = np.zeros(E, dtype=bool)
     on_access, on_insert, on_evict = policy.on_access, policy.on_insert, policy.on_evict
-    choose = policy.choose_victims
+    choose, admission = policy.choose_victims, policy.admission
     hits = acc = misses_all = 0
     for t in range(T):
         row = rows_l[t]
@@ -146,9 +148,12 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
             prot = need[res]
             need[rt] = False
             victims = choose(res, cnt, prot)
-            vl = np.asarray(victims).tolist()
             if check:
-                _check_victims(res, prot, cnt, vl)
+                _check_victims(res, prot, cnt, np.asarray(victims).tolist())
+            # the misses beyond the free slots compete with their victims (as ExpertCache.admitted)
+            admitted, victims = admission(np.array(miss[len(free):], dtype=np.int64), np.asarray(victims))
+            miss = sorted(miss[:len(free)] + np.asarray(admitted).tolist())
+            vl = np.asarray(victims).tolist()
             for v in vl:
                 s = slot_of[v]
                 slot_of[v] = -1
@@ -243,8 +248,16 @@ class _ResizableLayer:
         self.hits += len(row) - len(miss)
         over = len(self.resident) + len(miss) - self.slots
         if over > 0:
-            self._evict(over, row)
-        for e in miss:
+            res = np.fromiter(self.resident, dtype=np.int64, count=len(self.resident))
+            victims = np.asarray(self.policy.choose_victims(res, over, np.isin(res, row)))
+            admitted, victims = self.policy.admission(np.array(miss[len(miss) - over:], dtype=np.int64), victims)
+            placed = sorted(miss[:len(miss) - over] + np.asarray(admitted).tolist())
+            for v in np.asarray(victims).tolist():
+                self.resident.discard(v)
+                self.policy.on_evict(v)
+        else:
+            placed = miss
+        for e in placed:
             self.resident.add(e)
             self.policy.on_insert(e)
         return len(miss)
