@@ -110,12 +110,18 @@ class MlxLmServerHost:
         return config
 
     def serve(self, config_path: str, host_args: list[str]) -> int:
+        from expert_stream.plugin.hosts.pipeline_mode import PipelineMode
+
         internals = self.internals()
-        config = self.load_config(config_path, internals)
+        pipeline = PipelineMode.detect(host_args)  # each rank checks its own layers' shards when it loads
+        config = self.load_config(config_path, internals, check_models=pipeline is None)
         state = LmServerState(self, internals, config)
+        state.pipeline = pipeline
         if "--host" in host_args[:-1]:
             state.bind_host = host_args[host_args.index("--host") + 1]
         state.install()
+        if pipeline is not None:
+            pipeline.install(internals)
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
             raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
@@ -123,7 +129,7 @@ class MlxLmServerHost:
         if "--model" not in argv:
             argv += ["--model", default]
         sys.argv = ["mlx_lm.server", *argv]
-        if config.options.watch:
+        if config.options.watch and pipeline is None:  # pipeline_mode.RELOAD_REFUSED says why
             threading.Thread(target=state.watch, name="expert-stream-watch", daemon=True).start()
         try:
             signal.signal(signal.SIGHUP, lambda *_: threading.Thread(
@@ -131,7 +137,8 @@ class MlxLmServerHost:
             signal.signal(signal.SIGINT, _stop_on_interrupt)
         except (ValueError, AttributeError):
             pass
-        run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
+        if pipeline is None or pipeline.rank == 0:  # only rank 0 serves HTTP
+            run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
         log.info("expert-stream: serving %s through mlx_lm.server (mlx-lm %s)", config.path, internals.version)
         internals.server.main()
         return 0
@@ -189,6 +196,7 @@ class LmServerState:
         self.removed: set[str] = set()  # names removed from the config
         self.provider = None
         self.bind_host = "127.0.0.1"  # mlx_lm.server's default; serve() reads --host
+        self.pipeline = None  # pipeline_mode.PipelineMode when this process is one rank of --pipeline
         self.record = ReloadRecord(str(config.path), host.name, internals.version,
                                    applied_hash=config.text_hash, applied_at=time.time())
         self._sync_models()
@@ -338,6 +346,11 @@ class LmServerState:
 
         with self.reload_lock:
             path = self.config.path
+            if self.pipeline is not None:
+                from expert_stream.plugin.hosts.pipeline_mode import RELOAD_REFUSED
+                from expert_stream.plugin.reload import refuse_reload
+
+                return refuse_reload(self.record, path, reason, ConfigError(RELOAD_REFUSED))
             try:
                 new = self.host.load_config(path, self.internals)
             except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
@@ -391,6 +404,8 @@ class LmServerState:
             out = self.record.as_dict()
         loaded = getattr(self.provider, "model_key", None)
         out["loaded_model"] = loaded[0] if loaded else None
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline.status()
         return out
 
 

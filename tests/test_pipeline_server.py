@@ -1,0 +1,85 @@
+"""mlx_lm.server's pipeline mode through the plugin: `mlx.launch -n 2 --backend ring ... expert-stream
+mlx-lm-server --config X -- --pipeline`, two ranks on 127.0.0.1, each with its own copy of the
+checkpoint (rank 1's lacks the shards of rank 0's layers only); the answer equals one process's
+stock mlx-lm, and rank 0's status lists both ranks' counters."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugin_fixtures import HostProcess, chat, chat_text, free_port, http_json, stock_greedy
+from test_pipeline import LAYERS, _mlx_launch, _shards_by_layers
+
+from expert_stream.streaming.footprint import checkpoint_footprint
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+PROMPT = "Tell me about solid state drives."
+CLI = "import sys; from expert_stream.plugin.cli import main; sys.exit(main())"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return checkpoints("deepseek_v3", layers=LAYERS, bits=0, shard_size_mb=1)
+
+
+def _copies(root: Path, src: Path, drop) -> list[str]:
+    """rank0/, rank1/ copies of the checkpoint; `drop(layers)` picks rank 1's shards to leave out."""
+    for rank in (0, 1):
+        shutil.copytree(src, root / f"rank{rank}")
+    dropped = sorted(s for s, layers in _shards_by_layers(src).items() if drop(layers))
+    for shard in dropped:
+        (root / "rank1" / shard).unlink()
+    return dropped
+
+
+def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
+    # $MLX_RANK (set by mlx.launch for each rank) makes one config name each rank's own copy.
+    (root / "models.yaml").write_text(
+        "models:\n  - model_path: " + str(root) + "/rank$MLX_RANK\n    served_model_name: moe\n"
+        f"    expert_stream: {{budget_gib: {budget:.6f}, policy: lru}}\n")
+    port = free_port()
+    argv = [*_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
+            str(ring_port), "--python", sys.executable, "-c", CLI, "mlx-lm-server", "--config",
+            str(root / "models.yaml"), "--", "--pipeline", "--host", "127.0.0.1", "--port", str(port)]
+    host = HostProcess(argv, f"http://127.0.0.1:{port}", root / "server.log", root,
+                       env={"HOME": str(root), "HF_HOME": str(root / "no-hf-cache")})
+    host.wait_ready("/health")
+    return host
+
+
+def test_pipeline_server_answers_like_stock_and_reports_every_rank(model, tmp_path):
+    fp = checkpoint_footprint(model)
+    dropped = _copies(tmp_path, model, lambda layers: layers and layers <= {2, 3})  # rank 0 runs 2-3
+    assert dropped
+    host = _start(tmp_path, fp.budget_gib_for_slots(fp.top_k), 32460)
+    try:
+        assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(model, PROMPT, 12), host.log()[-3000:]
+        status = http_json(host.base + "/expert-stream/status")[1]
+        pipeline = status["pipeline"]
+        assert pipeline["ranks"] == 2 and pipeline["model"] == "moe", pipeline
+        by_rank = {r["rank"]: r for r in pipeline["per_rank"]}
+        assert by_rank[0]["layers"] == [2, 4] and by_rank[1]["layers"] == [0, 2], by_rank
+        for rank in (0, 1):
+            assert by_rank[rank]["loaded"] and by_rank[rank]["streamed_layers"] > 0, by_rank
+            assert by_rank[rank]["misses"] > 0 and by_rank[rank]["bytes_read"] > 0, by_rank
+        code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+        assert code == 422 and "hot reload is off in pipeline mode" in body["error"], body
+    finally:
+        host.stop()
+
+
+def test_a_rank_missing_its_shard_answers_the_shard_and_the_rank(model, tmp_path):
+    fp = checkpoint_footprint(model)
+    dropped = _copies(tmp_path, model, lambda layers: bool(layers & {0, 1}))  # rank 1 runs 0-1
+    host = _start(tmp_path, fp.budget_gib_for_slots(fp.top_k), 32480)
+    try:
+        code, body = chat(host.base, "moe", PROMPT, 4)
+        assert code != 200
+        assert f"rank 1 of the pipeline could not load its layers: {dropped[0]}: missing, but rank 1 needs it" \
+            in body["error"], body
+    finally:
+        host.stop()
