@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_fixtures import HostProcess, chat, chat_text, free_port, http_json, stock_greedy
+from plugin_fixtures import HostProcess, chat, chat_text, free_port, http_json, stock_greedy, wait_for
 from test_pipeline import LAYERS, _mlx_launch, _shards_by_layers
 
 from expert_stream.streaming.footprint import checkpoint_footprint
@@ -36,11 +36,15 @@ def _copies(root: Path, src: Path, drop) -> list[str]:
     return dropped
 
 
-def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
+def _write_config(root: Path, budget: float) -> None:
     # $MLX_RANK (set by mlx.launch for each rank) makes one config name each rank's own copy.
     (root / "models.yaml").write_text(
         "models:\n  - model_path: " + str(root) + "/rank$MLX_RANK\n    served_model_name: moe\n"
         f"    expert_stream: {{budget_gib: {budget:.6f}, policy: lru}}\n")
+
+
+def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
+    _write_config(root, budget)
     port = free_port()
     argv = [*_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
             str(ring_port), "--python", sys.executable, "-c", CLI, "mlx-lm-server", "--config",
@@ -51,23 +55,34 @@ def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
     return host
 
 
-def test_pipeline_server_answers_like_stock_and_reports_every_rank(model, tmp_path):
+def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_all(model, tmp_path):
     fp = checkpoint_footprint(model)
     dropped = _copies(tmp_path, model, lambda layers: layers and layers <= {2, 3})  # rank 0 runs 2-3
     assert dropped
-    host = _start(tmp_path, fp.budget_gib_for_slots(fp.top_k), 32460)
+    budget = fp.budget_gib_for_slots(fp.top_k)
+    host = _start(tmp_path, budget, 32460)
+    stock = stock_greedy(model, PROMPT, 12)
     try:
-        assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(model, PROMPT, 12), host.log()[-3000:]
-        status = http_json(host.base + "/expert-stream/status")[1]
-        pipeline = status["pipeline"]
+        assert chat_text(host.base, "moe", PROMPT, 12) == stock, host.log()[-3000:]
+        # The ranks gather their counters between two requests: the one after the answer is imminent.
+        pipeline = wait_for(lambda: (p := http_json(host.base + "/expert-stream/status")[1]["pipeline"])
+                            and all(r["misses"] for r in p["per_rank"]) and p, timeout=30, what="both ranks' counters")
         assert pipeline["ranks"] == 2 and pipeline["model"] == "moe", pipeline
         by_rank = {r["rank"]: r for r in pipeline["per_rank"]}
         assert by_rank[0]["layers"] == [2, 4] and by_rank[1]["layers"] == [0, 2], by_rank
         for rank in (0, 1):
             assert by_rank[rank]["loaded"] and by_rank[rank]["streamed_layers"] > 0, by_rank
             assert by_rank[rank]["misses"] > 0 and by_rank[rank]["bytes_read"] > 0, by_rank
+        # A budget edit: every rank applies it at the same step, and reloads at the next request.
+        _write_config(tmp_path, 1.5 * budget)
         code, body = http_json(host.base + "/expert-stream/reload", method="POST")
-        assert code == 422 and "hot reload is off in pipeline mode" in body["error"], body
+        assert code == 200 and body["last_reload"]["changed"] == ["moe"], body
+        assert chat_text(host.base, "moe", PROMPT, 12) == stock
+        rows = lambda: {r["rank"]: r for r in http_json(host.base + "/expert-stream/status")[1]["pipeline"]["per_rank"]}  # noqa: E731
+        after = wait_for(lambda: (a := rows())[0]["slot_bytes"] > by_rank[0]["slot_bytes"] and a, timeout=30,
+                         what="rank 0's new slots")
+        # rank 0: 9 slots in each of its 2 MoE layers instead of 6; rank 1's one layer now holds all 16 experts
+        assert after[1]["resident_layers"] == 1 and after[1]["streamed_layers"] == 0, (by_rank, after)
     finally:
         host.stop()
 

@@ -121,7 +121,7 @@ class MlxLmServerHost:
             state.bind_host = host_args[host_args.index("--host") + 1]
         state.install()
         if pipeline is not None:
-            pipeline.install(internals)
+            pipeline.install(internals, state)
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
             raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
@@ -129,7 +129,7 @@ class MlxLmServerHost:
         if "--model" not in argv:
             argv += ["--model", default]
         sys.argv = ["mlx_lm.server", *argv]
-        if config.options.watch and pipeline is None:  # pipeline_mode.RELOAD_REFUSED says why
+        if config.options.watch:
             threading.Thread(target=state.watch, name="expert-stream-watch", daemon=True).start()
         try:
             signal.signal(signal.SIGHUP, lambda *_: threading.Thread(
@@ -340,19 +340,17 @@ class LmServerState:
                 log.exception("expert-stream: watching %s: %s", self.config.path, exc)
                 self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
-    def reload(self, reason: str) -> dict:
+    def reload(self, reason: str, new=None) -> dict:
+        """`new`: the config every pipeline rank validated (pipeline_reload asks them all first)."""
         from expert_stream.plugin import plugins
         from expert_stream.plugin.hosts import interception
 
+        if self.pipeline is not None and new is None:
+            return self.pipeline.reloads.request(reason)
         with self.reload_lock:
             path = self.config.path
-            if self.pipeline is not None:
-                from expert_stream.plugin.hosts.pipeline_mode import RELOAD_REFUSED
-                from expert_stream.plugin.reload import refuse_reload
-
-                return refuse_reload(self.record, path, reason, ConfigError(RELOAD_REFUSED))
             try:
-                new = self.host.load_config(path, self.internals)
+                new = new or self.host.load_config(path, self.internals)
             except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 from expert_stream.plugin.reload import refuse_reload
 

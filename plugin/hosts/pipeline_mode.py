@@ -20,13 +20,6 @@ from expert_stream.plugin.hosts.rank_stats import RankStats
 
 log = logging.getLogger("expert_stream")
 
-RELOAD_REFUSED = (
-    "hot reload is off in pipeline mode: every rank would have to apply the same file at the same "
-    "step, and expert-stream does not coordinate that yet; change the config on every machine and "
-    "restart the ranks (mlx.launch)"
-)
-
-
 class PipelineMode:
     """This process is one rank of mlx_lm.server's pipeline (chosen once, at start)."""
 
@@ -34,6 +27,7 @@ class PipelineMode:
         self.group = group
         self.rank = group.rank()
         self.ranks = RankStats(group)
+        self.reloads = None  # pipeline_reload.RankReload, once installed
 
     @classmethod
     def detect(cls, host_args: list[str]) -> "PipelineMode | None":
@@ -63,11 +57,12 @@ class PipelineMode:
                 problems.append(f"{cls.__name__}.{attr} is missing")
         return problems
 
-    def install(self, internals) -> None:
+    def install(self, internals, state) -> None:
         """Patch sharded_load (both names), the first load and the loop's request sharing."""
         import mlx_lm.utils
 
         from expert_stream.plugin.hosts.base import refuse
+        from expert_stream.plugin.hosts.pipeline_reload import RankReload
 
         server = internals.server
         refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, self.check(server))
@@ -78,6 +73,7 @@ class PipelineMode:
         Provider, Generator = internals.Provider, internals.ResponseGenerator
         original_default, original_next = Provider.load_default, Generator._next_request
         mode = self
+        self.reloads = RankReload(self.group, state)
 
         def load_default(self):
             # Every rank loads at start; a failure (agreed by all ranks) is answered to each request,
@@ -91,7 +87,10 @@ class PipelineMode:
             request = original_next(self, *args, **kwargs)  # every rank passes here together
             model = self.model_provider.model
             found = [(m, h) for m, h in interception.handles().items() if h.model is model]
-            mode.ranks.exchange(model, found[0][1] if found else None, found[0][0] if found else None)
+            asked = mode.ranks.exchange(model, found[0][1] if found else None, found[0][0] if found else None,
+                                        mode.reloads.wanted)
+            if asked:  # some rank asked for a reload: all decide it here, together
+                mode.reloads.step()
             return request
 
         Provider.load_default, Generator._next_request = load_default, _next_request

@@ -15,7 +15,7 @@ log = logging.getLogger("expert_stream")
 
 # One row per rank; read_us is microseconds the compute thread waited for reads.
 FIELDS = ("loaded", "first_layer", "end_layer", "streamed_layers", "resident_layers", "slot_bytes",
-          "calls", "hits", "misses", "evictions", "bytes_read", "read_us")
+          "calls", "hits", "misses", "evictions", "bytes_read", "read_us", "reload_wanted")
 
 
 class RankStats:
@@ -28,8 +28,9 @@ class RankStats:
         self._model_id: str | None = None
         self._at: float | None = None
 
-    def exchange(self, model, handle, model_id: str | None) -> None:
-        """Called by every rank at the same step: gather every rank's counters."""
+    def exchange(self, model, handle, model_id: str | None, reload_wanted: bool = False) -> bool:
+        """Called by every rank at the same step: gather every rank's counters. Returns whether
+        any rank wants a reload (pipeline_reload decides it next, on every rank)."""
         import mlx.core as mx
 
         row = np.zeros(len(FIELDS), dtype=np.int64)
@@ -38,11 +39,13 @@ class RankStats:
         except Exception as exc:  # counters must never stop the loop: this row reads as unloaded
             log.warning("expert-stream: rank %d counters unreadable: %s", self.group.rank(), exc)
             row[:] = 0
+        row[-1] = reload_wanted
         rows = np.array(mx.distributed.all_gather(mx.array(row), group=self.group, stream=mx.cpu))
         with self._lock:
             self._rows = rows.reshape(self.group.size(), len(FIELDS))
             self._model_id = model_id
             self._at = time.time()
+        return bool(self._rows[:, -1].any())
 
     def status(self) -> dict:
         """What `status` shows: one entry per rank, as of the last exchange."""
@@ -54,6 +57,7 @@ class RankStats:
             return out
         for rank, values in enumerate(rows):
             entry = dict(zip(FIELDS, (int(v) for v in values)))
+            entry.pop("reload_wanted")
             entry["loaded"] = bool(entry["loaded"])
             entry["read_seconds"] = entry.pop("read_us") / 1e6
             uses = entry["hits"] + entry["misses"]
@@ -77,4 +81,4 @@ def _row(model, handle) -> list[int]:
             totals[key] += getattr(stats, key)
     resident = sum(p.resident for p in handle.plans)
     return [1, first, end, len(handle.streams), resident, handle.budget_bytes, totals["calls"], totals["hits"],
-            totals["misses"], totals["evictions"], totals["bytes_read"], int(totals["read_seconds"] * 1e6)]
+            totals["misses"], totals["evictions"], totals["bytes_read"], int(totals["read_seconds"] * 1e6), 0]
