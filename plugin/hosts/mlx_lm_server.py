@@ -110,7 +110,7 @@ class MlxLmServerHost:
         return config
 
     def serve(self, config_path: str, host_args: list[str]) -> int:
-        from expert_stream.plugin.hosts.pipeline_mode import PipelineMode
+        from expert_stream.plugin.hosts.pipeline_mode import PipelineMode, refuse_tensor_parallel
 
         internals = self.internals()
         pipeline = PipelineMode.detect(host_args)  # each rank checks its own layers' shards when it loads
@@ -122,6 +122,8 @@ class MlxLmServerHost:
         state.install()
         if pipeline is not None:
             pipeline.install(internals, state)
+        else:
+            refuse_tensor_parallel(internals)
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
             raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")

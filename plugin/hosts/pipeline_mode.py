@@ -99,6 +99,18 @@ class PipelineMode:
         return self.ranks.status()
 
 
+def refuse_tensor_parallel(internals) -> None:
+    """Several ranks without --pipeline (mlx_lm.server's tensor parallelism): a streamed entry's
+    load is refused (each rank would stream every layer, then `shard()` would split the slots);
+    dense entries load through the stock sharded_load."""
+    import mlx.core as mx
+    import mlx_lm.utils
+
+    if mx.distributed.init().size() == 1 or getattr(internals.server, "sharded_load", None) is None:
+        return
+    mlx_lm.utils.sharded_load = internals.server.sharded_load = _streaming_sharded_load(mlx_lm.utils.sharded_load)
+
+
 def _streaming_sharded_load(original):
     def sharded_load(repo, pipeline_group=None, tensor_group=None, return_config=False, **kwargs):
         target = interception.target_for(repo)
