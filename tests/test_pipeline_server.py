@@ -1,7 +1,9 @@
 """mlx_lm.server's pipeline mode through the plugin: `mlx.launch -n 2 --backend ring ... expert-stream
 mlx-lm-server --config X -- --pipeline`, two ranks on 127.0.0.1, each with its own copy of the
-checkpoint (rank 1's lacks the shards of rank 0's layers only); the answer equals one process's
-stock mlx-lm, and rank 0's status lists both ranks' counters."""
+checkpoint (rank 1's lacks the shards of rank 0's layers only) and its own copy of the config;
+the answer equals one process's stock mlx-lm, rank 0's status lists both ranks' counters, a
+reload applies on both ranks or on none, and a rank missing one of its own shards makes every
+request fail with the shard and the rank."""
 
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ def _copies(root: Path, src: Path, drop) -> list[str]:
     return dropped
 
 
-def _write_config(root: Path, budget: float) -> None:
-    # $MLX_RANK (set by mlx.launch for each rank) makes one config name each rank's own copy.
-    (root / "models.yaml").write_text(
-        "models:\n  - model_path: " + str(root) + "/rank$MLX_RANK\n    served_model_name: moe\n"
-        f"    expert_stream: {{budget_gib: {budget:.6f}, policy: lru}}\n")
+def _write_config(root: Path, budget: float, ranks=(0, 1)) -> None:
+    """Each rank's own copy of the config, as on two machines: models0.yaml, models1.yaml.
+    $MLX_RANK (set by mlx.launch for each rank) names each rank's file and checkpoint folder."""
+    for rank in ranks:
+        (root / f"models{rank}.yaml").write_text(
+            "models:\n  - model_path: " + str(root) + "/rank$MLX_RANK\n    served_model_name: moe\n"
+            f"    expert_stream: {{budget_gib: {budget:.6f}, policy: lru}}\n")
 
 
 def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
@@ -48,7 +52,7 @@ def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
     port = free_port()
     argv = [*_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
             str(ring_port), "--python", sys.executable, "-c", CLI, "mlx-lm-server", "--config",
-            str(root / "models.yaml"), "--", "--pipeline", "--host", "127.0.0.1", "--port", str(port)]
+            str(root / "models$MLX_RANK.yaml"), "--", "--pipeline", "--host", "127.0.0.1", "--port", str(port)]
     host = HostProcess(argv, f"http://127.0.0.1:{port}", root / "server.log", root,
                        env={"HOME": str(root), "HF_HOME": str(root / "no-hf-cache")})
     host.wait_ready("/health")
@@ -73,8 +77,13 @@ def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_al
         for rank in (0, 1):
             assert by_rank[rank]["loaded"] and by_rank[rank]["streamed_layers"] > 0, by_rank
             assert by_rank[rank]["misses"] > 0 and by_rank[rank]["bytes_read"] > 0, by_rank
-        # A budget edit: every rank applies it at the same step, and reloads at the next request.
-        _write_config(tmp_path, 1.5 * budget)
+        # A budget edit on rank 0's machine only: refused on every rank, naming the rank that differs.
+        _write_config(tmp_path, 1.5 * budget, ranks=(0,))
+        code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+        assert code == 422 and "reload refused on every rank: rank 1's copy of the file differs" in body["error"], body
+        assert http_json(host.base + "/expert-stream/status")[1]["reloads"] == 0  # rank 0 did not apply it either
+        # Then on both: every rank applies it at the same step, and reloads at the next request.
+        _write_config(tmp_path, 1.5 * budget, ranks=(1,))
         code, body = http_json(host.base + "/expert-stream/reload", method="POST")
         assert code == 200 and body["last_reload"]["changed"] == ["moe"], body
         assert chat_text(host.base, "moe", PROMPT, 12) == stock
