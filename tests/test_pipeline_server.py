@@ -59,7 +59,7 @@ def _start(root: Path, budget: float, ring_port: int) -> HostProcess:
     return host
 
 
-def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_all(model, tmp_path):
+def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_all(model, tmp_path, capsys):
     fp = checkpoint_footprint(model)
     dropped = _copies(tmp_path, model, lambda layers: layers and layers <= {2, 3})  # rank 0 runs 2-3
     assert dropped
@@ -77,6 +77,12 @@ def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_al
         for rank in (0, 1):
             assert by_rank[rank]["loaded"] and by_rank[rank]["streamed_layers"] > 0, by_rank
             assert by_rank[rank]["misses"] > 0 and by_rank[rank]["bytes_read"] > 0, by_rank
+        from expert_stream.plugin.cli import main
+
+        assert main(["status", "--url", host.base]) == 0
+        printed = capsys.readouterr().out
+        assert "pipeline: 2 ranks, moe" in printed and "rank 0: layers 2-3, 2 streamed" in printed, printed
+        assert "rank 1: layers 0-1, 1 streamed" in printed, printed
         # A budget edit on rank 0's machine only: refused on every rank, naming the rank that differs.
         _write_config(tmp_path, 1.5 * budget, ranks=(0,))
         code, body = http_json(host.base + "/expert-stream/reload", method="POST")

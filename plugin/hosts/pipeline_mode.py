@@ -7,7 +7,11 @@ builds the model lazily, lets `model.model.pipeline(group)` pick the rank's laye
 evaluates. For a streamed folder the plugin replaces that whole call by the engine's pipeline
 load (`load_streamed(..., pipeline_group=group)`: the same steps, with the expert blocks swapped
 after `pipeline()` and before any evaluation, and only this rank's shards indexed). Any other
-folder (dense, not in the config) runs the stock function untouched."""
+folder (dense, not in the config) runs the stock function untouched.
+
+Between two requests every rank passes `ResponseGenerator._next_request` together (it shares
+the next request through mlx.distributed): there the ranks gather their counters (rank_stats)
+and decide reloads (pipeline_reload)."""
 
 from __future__ import annotations
 
