@@ -81,22 +81,39 @@ def load_streamed(
     model_path = Path(path).expanduser()
     refuse_model_file(model_path, trust_remote_code)  # before mlx-lm can run it
     if pipeline_group is not None:
-        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config,
-                                   **trusted(load_model, trust_remote_code))
-        index, settings = pipeline(model, model_path, settings, pipeline_group)
+        model, config, handle = _load_rank(model_path, settings, pipeline_group, architectures, model_config,
+                                           trust_remote_code)
     else:
         if index is None:
             index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
         check_quantization(index)
         model, config = load_model(model_path, lazy=True, model_config=model_config,
                                    **trusted(load_model, trust_remote_code))
-    handle = attach(model, index, settings, architectures)
-    mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
-    handle.reader.verify()  # the trunk just read came from the shards the experts will come from
-    if pipeline_group is not None:  # every rank loaded before the first forward, as sharded_load does
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=pipeline_group))
+        handle = attach(model, index, settings, architectures)
+        mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
+        handle.reader.verify()  # the trunk just read came from the shards the experts will come from
     tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, handle
+
+
+def _load_rank(model_path, settings, group, architectures, model_config, trust_remote_code):
+    """This rank's layers, streamed; every rank passes `agree` (the load barrier sharded_load
+    has) with its outcome, so a rank that failed fails them all instead of leaving them waiting."""
+    from mlx_lm.utils import load_model
+
+    from .rank_agreement import agree
+
+    try:
+        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config,
+                                   **trusted(load_model, trust_remote_code))
+        index, settings = pipeline(model, model_path, settings, group)
+        handle = attach(model, index, settings, architectures)
+        mx.eval(model.parameters())  # this rank's trunk; never routed experts
+        handle.reader.verify()
+    except Exception as exc:  # any failure: the other ranks must hear of it
+        agree(group, exc)
+    agree(group, None)
+    return model, config, handle
 
 
 def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group):

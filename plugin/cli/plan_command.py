@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--trace", default=None, metavar="TRACE.npz",
                    help="a routing trace of this model (expert-stream trace): miss rates from it instead of "
                         "the uniform-routing assumption")
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="also show what each of N machines holds in mlx_lm.server's pipeline mode (layers, trunk, "
+                        "experts, budgets per rank)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the Python file a config.json `model_file` names to run (refused otherwise)")
@@ -149,6 +152,13 @@ def run_plan(args) -> int:
     plan = make_plan(model_dir, args.context, memory, bandwidth,
                      t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace,
                      trust_remote_code=args.trust_remote_code)
+    if args.ranks is not None:
+        from expert_stream.plugin.cli.plan_ranks import rank_plan
+        from expert_stream.streaming.checkpoint import CheckpointIndex
+
+        plan["pipeline"] = rank_plan(model_dir, args.ranks, args.context, memory,
+                                     kv_bytes_per_token(CheckpointIndex(model_dir).config), int(SYSTEM_RESERVE_GIB * GIB),
+                                     args.trust_remote_code)
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()
@@ -173,4 +183,8 @@ def run_plan(args) -> int:
         print(f"  {b['budget_gib']:>10} GiB  {b['slots_per_layer']:>4} slots/layer  "
               f"{'fits' if b['fits'] else 'too big':>7}  miss {b['miss_rate'][0]:.1%}-{b['miss_rate'][1]:.1%}  "
               f"-> {b['tok_s'][0]}-{b['tok_s'][1]} tok/s")
+    if "pipeline" in plan:
+        from expert_stream.plugin.cli.plan_ranks import print_rank_plan
+
+        print_rank_plan(plan["pipeline"])
     return 0

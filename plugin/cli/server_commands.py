@@ -178,4 +178,21 @@ def run_status(args) -> int:
         print(f"error:    {status['last_error']}")
     for model_id, model in status["models"].items():
         print(model_line(model_id, model))
+    if status.get("pipeline"):
+        print(rank_lines(status["pipeline"]))
     return 0
+
+
+def rank_lines(pipeline: dict) -> str:
+    """Every rank's counters (gathered through mlx.distributed between two requests)."""
+    age = pipeline.get("age_seconds")
+    lines = [f"pipeline: {pipeline['ranks']} ranks, {pipeline.get('model') or 'no model loaded'}"
+             + (f", counters as of {age} s ago" if age is not None else ", no counters yet")]
+    for r in pipeline.get("per_rank", []):
+        if not r["loaded"]:
+            lines.append(f"  rank {r['rank']}: not loaded")
+            continue
+        lines.append(f"  rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, {r['streamed_layers']} "
+                     f"streamed, {r['slot_bytes'] / 2**30:.4f} GiB of slots, hit rate {r['hit_rate']:.1%}, "
+                     f"{r['misses']} misses, {r['bytes_read'] / 1e9:.3f} GB read")
+    return "\n".join(lines)

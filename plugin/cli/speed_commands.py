@@ -31,6 +31,9 @@ def register(sub) -> None:
     b.add_argument("--memory-cap", type=float, default=None, metavar="GIB",
                    help="run the streamed side in a cgroup v2 memory.max of GIB, page cache included "
                    "(Linux, root); refused where the OS cannot")
+    b.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="also run mlx-lm's pipeline mode with N ranks on 127.0.0.1 (ring backend, through "
+                   "mlx.launch), the budget per rank: tok/s and bytes per token of each rank beside one process")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--plot", default=None, metavar="OUT.png", help="plot tok/s and miss rate against budget")
     b.set_defaults(func=run_bench_command)
@@ -74,6 +77,8 @@ def run_bench_command(args) -> int:
     from expert_stream.streaming.lab.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
+    if args.ranks is not None:
+        return _bench_ranks(args, settings)
     run = run_bench
     if args.memory_cap is not None:
         from expert_stream.streaming.lab.capped_bench import run_bench_capped
@@ -107,6 +112,24 @@ def run_bench_command(args) -> int:
     else:
         for r in reports:
             print_report(r)
+    return 0
+
+
+def _bench_ranks(args, settings) -> int:
+    from expert_stream.plugin.cli.bench_ranks import print_ranks, run_ranks
+
+    if args.ranks < 2:
+        raise SettingsError(f"--ranks {args.ranks}: a pipeline needs at least 2 ranks")
+    for flag in ("sweep", "routing", "memory_cap", "plot"):
+        if getattr(args, flag) is not None:
+            raise SettingsError(f"--ranks does not combine with --{flag.replace('_', '-')}")
+    report = run_ranks(str(Path(args.model_dir).expanduser()), args.budget_gib, args.ranks, args.prompt_tokens,
+                       args.gen_tokens, settings)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print_ranks(report)
     return 0
 
 

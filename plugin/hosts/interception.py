@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +133,30 @@ def _load_streamed(bound, target: Target):
             handle.reader.verify()  # the trunk came from the shards the experts will come from
     finally:
         _busy.on = False
+    adopt(target, model, model_path, handle, settings)
+    return model, config
+
+
+def target_for(path):
+    """The Target of a checkpoint folder, or None (not streamed: the host loads it as always)."""
+    with _lock:
+        return _targets.get(_key(path))
+
+
+@contextmanager
+def stock_loads():
+    """`load_model` calls inside run the stock function (a loader that streams by itself)."""
+    _busy.on = True
+    try:
+        yield
+    finally:
+        _busy.on = False
+
+
+def adopt(target: Target, model, model_path: Path, handle, settings) -> None:
+    """Record a streamed model this process loaded (replacing the entry's previous one)."""
+    from expert_stream.plugin import plugins
+
     old = None
     with _lock:
         old = _handles.pop(target.model_id, None)
@@ -142,5 +167,5 @@ def _load_streamed(bound, target: Target):
     prefill_step.register(model, settings.prefill_step)
     log.info("expert-stream: %s streams %s with a %.3f GiB budget", target.model_id, model_path,
              settings.budget_gib)
-    pm.hook.model_loaded(model_id=target.model_id, model_path=str(model_path), handle=handle)
-    return model, config
+    plugins.get_plugin_manager().hook.model_loaded(model_id=target.model_id, model_path=str(model_path),
+                                                   handle=handle)

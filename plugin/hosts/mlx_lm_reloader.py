@@ -37,6 +37,7 @@ class LmServerState:
         self.removed: set[str] = set()  # names removed from the config
         self.provider = None
         self.bind_host = "127.0.0.1"  # mlx_lm.server's default; serve() reads --host
+        self.pipeline = None  # pipeline_mode.PipelineMode when this process is one rank of --pipeline
         self.record = ReloadRecord(str(config.path), host.name, internals.version,
                                    applied_hash=config.text_hash, applied_at=time.time())
         self._sync_models()
@@ -112,14 +113,17 @@ class LmServerState:
                 log.exception("expert-stream: watching %s: %s", self.config.path, exc)
                 self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
 
-    def reload(self, reason: str) -> dict:
+    def reload(self, reason: str, new=None) -> dict:
+        """`new`: the config every pipeline rank validated (pipeline_reload asks them all first)."""
         from expert_stream.plugin import plugins
         from expert_stream.plugin.hosts import interception
 
+        if self.pipeline is not None and new is None:
+            return self.pipeline.reloads.request(reason)
         with self.reload_lock:
             path = self.config.path
             try:
-                new = self.host.load_config(path, self.internals)
+                new = new or self.host.load_config(path, self.internals)
             except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
                 return refuse_reload(self.record, path, reason, exc)
             same = unchanged_file(self.record, self.config, new)
@@ -163,4 +167,6 @@ class LmServerState:
                     model_state.settings = stats[model_id].get("settings", model_state.settings)
             out = self.record.as_dict()
         out["loaded_model"] = compat.loaded_folder(self.provider)
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline.status()
         return out

@@ -68,12 +68,20 @@ class MlxLmServerHost:
         return config
 
     def serve(self, config_path: str, host_args: list[str]) -> int:
+        from expert_stream.plugin.hosts.pipeline_mode import PipelineMode, refuse_tensor_parallel
+
         internals = self.internals()
-        config = self.load_config(config_path, internals)
+        pipeline = PipelineMode.detect(host_args)  # each rank checks its own layers' shards when it loads
+        config = self.load_config(config_path, internals, check_models=pipeline is None)
         state = LmServerState(self, internals, config)
+        state.pipeline = pipeline
         if "--host" in host_args[:-1]:
             state.bind_host = host_args[host_args.index("--host") + 1]
         state.install()
+        if pipeline is not None:
+            pipeline.install(internals, state)
+        else:
+            refuse_tensor_parallel(internals)
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
             raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
@@ -89,7 +97,8 @@ class MlxLmServerHost:
             signal.signal(signal.SIGINT, _stop_on_interrupt)
         except (ValueError, AttributeError):
             pass
-        run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
+        if pipeline is None or pipeline.rank == 0:  # only rank 0 serves HTTP
+            run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
         log.info("expert-stream: serving %s through mlx_lm.server (mlx-lm %s)", config.path, internals.version)
         internals.server.main()
         return 0
