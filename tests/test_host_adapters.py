@@ -90,7 +90,8 @@ def test_mlx_openai_server_start_up_check_names_the_missing_internal_and_version
 PRIVATE = {
     "openai_server_compat.py": ("_pending", "_process", "_handlers", "_metadata", "_handler_worker",
                                 "_raise_remote_error", "_MODEL_TYPE_TO_HANDLER_TYPE", "_call"),
-    "mlx_lm_server_compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load"),
+    "mlx_lm_server_compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load",
+                                "_next_request", "load_default", "model_provider"),
 }
 
 

@@ -102,3 +102,47 @@ def forget_loaded(provider) -> None:
 
 def serve_one_at_a_time(provider) -> None:
     provider.is_batchable = False
+
+
+# -- pipeline mode (pipeline_mode.py) ---------------------------------------------------------
+
+def pipeline_problems(server) -> list[str]:
+    """What pipeline mode needs of mlx_lm.server beyond `check`: its sharded_load, the first
+    load, and the point every rank passes together between requests."""
+    import inspect
+
+    import mlx_lm
+    import mlx_lm.utils
+
+    problems = []
+    fn = getattr(mlx_lm.utils, "sharded_load", None)
+    names = list(inspect.signature(fn).parameters) if fn else []
+    if names[:4] != ["repo", "pipeline_group", "tensor_group", "return_config"]:
+        problems.append(f"mlx_lm.utils.sharded_load(repo, pipeline_group, tensor_group, return_config) is "
+                        f"missing (mlx-lm {mlx_lm.__version__})")
+    if getattr(server, "sharded_load", None) is not fn:
+        problems.append("mlx_lm.server does not load through mlx_lm.utils.sharded_load")
+    for cls, attr in ((server.ModelProvider, "load_default"), (server.ResponseGenerator, "_next_request")):
+        if not callable(getattr(cls, attr, None)):
+            problems.append(f"{cls.__name__}.{attr} is missing")
+    return problems
+
+
+def hook_request_loop(internals, first_load_failed, between_requests) -> None:
+    """A failing first load calls `first_load_failed(exc)` instead of raising; after each
+    request is shared among the ranks, `between_requests(model)` runs on every rank."""
+    Provider, Generator = internals.Provider, internals.ResponseGenerator
+    original_default, original_next = Provider.load_default, Generator._next_request
+
+    def load_default(self):
+        try:
+            original_default(self)
+        except Exception as exc:
+            first_load_failed(exc)
+
+    def _next_request(self, *args, **kwargs):
+        request = original_next(self, *args, **kwargs)
+        between_requests(self.model_provider.model)
+        return request
+
+    Provider.load_default, Generator._next_request = load_default, _next_request

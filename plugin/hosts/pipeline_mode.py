@@ -15,11 +15,11 @@ and decide reloads (pipeline_reload)."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 
 from expert_stream.plugin.hosts import interception
+from expert_stream.plugin.hosts import mlx_lm_server_compat as compat
 from expert_stream.plugin.hosts.rank_stats import RankStats
 
 log = logging.getLogger("expert_stream")
@@ -44,23 +44,6 @@ class PipelineMode:
         group = mx.distributed.init()
         return cls(group) if group.size() > 1 else None
 
-    def check(self, server) -> list[str]:
-        import mlx_lm
-        import mlx_lm.utils
-
-        problems = []
-        fn = getattr(mlx_lm.utils, "sharded_load", None)
-        names = list(inspect.signature(fn).parameters) if fn else []
-        if names[:4] != ["repo", "pipeline_group", "tensor_group", "return_config"]:
-            problems.append(f"mlx_lm.utils.sharded_load(repo, pipeline_group, tensor_group, return_config) is "
-                            f"missing (mlx-lm {mlx_lm.__version__})")
-        if getattr(server, "sharded_load", None) is not fn:
-            problems.append("mlx_lm.server does not load through mlx_lm.utils.sharded_load")
-        for cls, attr in ((server.ModelProvider, "load_default"), (server.ResponseGenerator, "_next_request")):
-            if not callable(getattr(cls, attr, None)):
-                problems.append(f"{cls.__name__}.{attr} is missing")
-        return problems
-
     def install(self, internals, state) -> None:
         """Patch sharded_load (both names), the first load and the loop's request sharing."""
         import mlx_lm.utils
@@ -69,35 +52,23 @@ class PipelineMode:
         from expert_stream.plugin.hosts.pipeline_reload import RankReload
 
         server = internals.server
-        refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, self.check(server))
-        original = mlx_lm.utils.sharded_load
-        sharded = _streaming_sharded_load(original)
-        mlx_lm.utils.sharded_load = server.sharded_load = sharded
-
-        Provider, Generator = internals.Provider, internals.ResponseGenerator
-        original_default, original_next = Provider.load_default, Generator._next_request
-        mode = self
+        refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, compat.pipeline_problems(server))
+        mlx_lm.utils.sharded_load = server.sharded_load = _streaming_sharded_load(mlx_lm.utils.sharded_load)
         self.reloads = RankReload(self.group, state)
 
-        def load_default(self):
-            # Every rank loads at start; a failure (agreed by all ranks) is answered to each request,
-            # which loads again, instead of ending the generation loop of every rank.
-            try:
-                original_default(self)
-            except Exception as exc:
-                log.error("expert-stream: rank %d: loading the default model failed: %s", mode.rank, exc)
+        def first_load_failed(exc):
+            # Agreed by all ranks; each request loads again and gets the error, instead of the
+            # generation loop of every rank ending.
+            log.error("expert-stream: rank %d: loading the default model failed: %s", self.rank, exc)
 
-        def _next_request(self, *args, **kwargs):
-            request = original_next(self, *args, **kwargs)  # every rank passes here together
-            model = self.model_provider.model
+        def between_requests(model):  # every rank passes here together
             found = [(m, h) for m, h in interception.handles().items() if h.model is model]
-            asked = mode.ranks.exchange(model, found[0][1] if found else None, found[0][0] if found else None,
-                                        mode.reloads.wanted)
+            asked = self.ranks.exchange(model, found[0][1] if found else None, found[0][0] if found else None,
+                                        self.reloads.wanted)
             if asked:  # some rank asked for a reload: all decide it here, together
-                mode.reloads.step()
-            return request
+                self.reloads.step()
 
-        Provider.load_default, Generator._next_request = load_default, _next_request
+        compat.hook_request_loop(internals, first_load_failed, between_requests)
 
     def status(self) -> dict:
         return self.ranks.status()
