@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno as _errno
-import mmap
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from .errors import ReadError
+from .python_spans import PythonSpans, _SpanFailure
+from .read_plan import ALIGN, MAX_SPAN, MIN_SPAN, ReadRequest, ReadResult, _iov_max, plan_spans
 
 try:
     from expert_stream.native import _reader as _native  # type: ignore
@@ -43,9 +44,6 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = ["ReadRequest", "ReadResult", "ExpertReader", "native_available", "ALIGN"]
 
-ALIGN = 4096
-MIN_SPAN = 1 << 20
-MAX_SPAN = 16 << 20
 BOUNCE_BYTES = 4 << 20
 
 _MODES = ("auto", "direct", "fadvise", "nocache", "none")
@@ -53,130 +51,8 @@ _MODE_CODE = {"none": 0, "fadvise": 1, "direct": 2, "nocache": 3}
 _F_NOCACHE = 48  # macOS <sys/fcntl.h>
 
 
-def _preadv(fd: int, bufs, pos: int) -> int:
-    """os.preadv, or one pread into the first buffer where the OS has no preadv (callers loop)."""
-    if _HAVE_PREADV:
-        return os.preadv(fd, bufs, pos)
-    data = os.pread(fd, bufs[0].nbytes, pos)
-    bufs[0][:len(data)] = data
-    return len(data)
-
-
-_HAVE_PREADV = hasattr(os, "preadv")
-
-
 def native_available() -> bool:
     return _native is not None
-
-
-def _iov_max() -> int:
-    try:
-        v = os.sysconf("SC_IOV_MAX")
-    except (ValueError, OSError, AttributeError):
-        v = -1
-    if v is None or v <= 0:
-        v = 1024
-    return int(min(v, 1024))
-
-
-class ReadRequest(NamedTuple):
-    file: int  # index into ExpertReader.paths
-    offset: int  # byte offset in that file
-    length: int
-    dest: object  # writable C-contiguous buffer of exactly `length` bytes
-
-
-class ReadResult(NamedTuple):
-    bytes: int  # bytes read into destinations
-    seconds: float  # wall time of the batch (from its start, not counting time queued)
-    spans: int  # reads after merging adjacent ranges and cutting at the span cap
-    syscalls: int  # pread/preadv calls made
-    requests: int
-
-
-class _Span:
-    __slots__ = ("file", "offset", "length", "limit", "dests")
-
-    def __init__(self, file, offset, limit):
-        self.file = file
-        self.offset = offset
-        self.length = 0
-        self.limit = limit
-        self.dests = []  # memoryviews (uint8), in file order
-
-
-def _span_cap(total: int, threads: int, max_span: int, min_span: int) -> int:
-    cap = -(-total // threads) if total else 0
-    cap = min(max(cap, min_span), max_span)
-    return -(-cap // ALIGN) * ALIGN
-
-
-def plan_spans(requests, nfiles: int, threads: int, *, max_span: int = MAX_SPAN, min_span: int = MIN_SPAN,
-               iov_max: Optional[int] = None):
-    """Validate, sort and merge `requests` (the rule the native `plan` applies too).
-    Returns (spans, total_bytes, number_of_requests)."""
-    if iov_max is None:
-        iov_max = _iov_max()
-    iov_max = min(iov_max, 1024)
-    items = []
-    total = 0
-    for i, r in enumerate(requests):
-        try:
-            file, offset, length, dest = r
-        except (TypeError, ValueError):
-            raise ValueError(f"request {i}: expected (file, offset, length, dest)") from None
-        file, offset, length = int(file), int(offset), int(length)
-        if not 0 <= file < nfiles:
-            raise ValueError(f"request {i}: file index {file} out of range (the reader has {nfiles} files)")
-        if offset < 0 or length < 0:
-            raise ValueError(f"request {i}: negative offset ({offset}) or length ({length})")
-        try:
-            mv = memoryview(dest)
-        except TypeError:
-            raise TypeError(f"request {i}: dest must be a writable buffer (memoryview, bytearray, numpy uint8 "
-                            f"array), got {type(dest).__name__}") from None
-        if mv.readonly or not mv.c_contiguous:
-            raise ValueError(f"request {i}: dest must be a writable C-contiguous buffer")
-        if mv.nbytes != length:
-            raise ValueError(f"request {i}: dest holds {mv.nbytes} bytes but length is {length} (they must match)")
-        if mv.format != "B" or mv.ndim != 1:
-            mv = mv.cast("B")
-        items.append((file, offset, i, length, mv))
-        total += length
-    items.sort(key=lambda t: (t[0], t[1], t[2]))
-    cap = _span_cap(total, threads, max_span, min_span)
-    spans: List[_Span] = []
-    cur: Optional[_Span] = None
-    for file, offset, _, length, mv in items:
-        pos, rem, at = offset, length, 0
-        while rem > 0:
-            if (cur is None or cur.file != file or cur.offset + cur.length != pos
-                    or cur.offset + cur.length >= cur.limit or len(cur.dests) >= iov_max):
-                limit = (pos + cap) // ALIGN * ALIGN
-                if limit <= pos:
-                    limit = pos + cap
-                cur = _Span(file, pos, limit)
-                spans.append(cur)
-            take = min(rem, cur.limit - (cur.offset + cur.length))
-            cur.dests.append(mv[at:at + take] if (at or take != length) else mv)
-            cur.length += take
-            pos += take
-            at += take
-            rem -= take
-    return spans, total, len(items)
-
-
-def _drop_pages(fd: int, off: int, length: int) -> None:
-    try:
-        os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-
-
-class _SpanFailure(Exception):
-    def __init__(self, file, offset, length, err, pos):
-        super().__init__(file, offset, length, err, pos)
-        self.file, self.offset, self.length, self.err, self.pos = file, offset, length, err, pos
 
 
 def _resolve_bypass(requested: str):
@@ -215,7 +91,7 @@ def _resolve_bypass(requested: str):
     return "none", ""
 
 
-class ExpertReader:
+class ExpertReader(PythonSpans):
     """Batch reader over a fixed list of shard files. Thread-safe: several threads may read or
     submit at once. Descriptors open lazily, one buffered (and, in direct mode, one O_DIRECT) per
     file, and stay open until close()."""
@@ -495,116 +371,6 @@ class ExpertReader:
         if err is not None:
             raise _SpanFailure(*err)
         return nbytes, batch.nspans, syscalls, batch.nrequests
-
-    def _run_python(self, plan, mode):
-        spans, total, nreq = plan
-        self._ensure_open(sorted({s.file for s in spans}))
-        mode = self.cache_bypass if mode == "direct" else mode
-        failed = threading.Event()
-        if len(spans) <= 1 or self.threads == 1:
-            results = [self._py_span(s, mode, failed) for s in spans]
-        else:
-            ex = self._span_executor()
-            futs = [ex.submit(self._py_span, s, mode, failed) for s in spans]
-            concurrent.futures.wait(futs)
-            results = [f.result() for f in futs]
-        first = None
-        for r in results:
-            if isinstance(r, _SpanFailure) and first is None:
-                first = r
-        if first is not None:
-            raise first
-        return total, len(spans), sum(results), nreq
-
-    def _py_span(self, s: _Span, mode: str, failed: threading.Event):
-        """Read one span; returns the syscall count or a _SpanFailure (never raises)."""
-        if failed.is_set():
-            return 0
-        try:
-            if mode == "direct":
-                return self._py_span_direct(s)
-            return self._py_span_buffered(s, mode)
-        except _SpanFailure as fail:
-            failed.set()
-            return fail
-        except OSError as exc:
-            failed.set()
-            return _SpanFailure(s.file, s.offset, s.length, exc.errno or _errno.EIO, s.offset)
-
-    def _py_span_buffered(self, s: _Span, mode: str) -> int:
-        fd = self._fds[s.file]
-        bufs = list(s.dests)
-        pos, end, calls = s.offset, s.offset + s.length, 0
-        while pos < end:
-            try:
-                r = _preadv(fd, bufs, pos)
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                raise _SpanFailure(s.file, s.offset, s.length, exc.errno, pos) from None
-            calls += 1
-            if r == 0:
-                raise _SpanFailure(s.file, s.offset, s.length, 0, pos)
-            pos += r
-            while r > 0 and bufs:
-                n = bufs[0].nbytes
-                if r >= n:
-                    r -= n
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][r:]
-                    r = 0
-        if mode == "fadvise":  # off the critical path (~0.5 ms per 4 MiB), like the native reader
-            a = s.offset // ALIGN * ALIGN
-            b = -(-end // ALIGN) * ALIGN
-            try:
-                self._dropper().submit(_drop_pages, fd, a, b - a)
-            except RuntimeError:  # closing
-                _drop_pages(fd, a, b - a)
-        return calls
-
-    def _bounce(self):
-        buf = getattr(self._local, "bounce", None)
-        if buf is None or len(buf) != self.bounce_bytes:
-            buf = mmap.mmap(-1, self.bounce_bytes)  # page aligned
-            self._local.bounce = buf
-        return buf
-
-    def _py_span_direct(self, s: _Span) -> int:
-        fd = self._dfds[s.file]
-        bounce = memoryview(self._bounce())
-        off, end = s.offset, s.offset + s.length
-        a1 = -(-end // ALIGN) * ALIGN
-        pos = off // ALIGN * ALIGN
-        k, kpos, calls = 0, off, 0
-        dests = s.dests
-        while pos < end:
-            want = min(self.bounce_bytes, a1 - pos)
-            try:
-                r = _preadv(fd, [bounce[:want]], pos)
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                raise _SpanFailure(s.file, s.offset, s.length, exc.errno, max(pos, off)) from None
-            calls += 1
-            if r == 0:
-                raise _SpanFailure(s.file, s.offset, s.length, 0, max(pos, off))
-            c0, c1 = max(pos, off), min(pos + r, end)
-            src = c0 - pos
-            while c0 < c1:
-                d = dests[k]
-                inn = c0 - kpos
-                m = min(d.nbytes - inn, c1 - c0)
-                d[inn:inn + m] = bounce[src:src + m]
-                src += m
-                c0 += m
-                if inn + m == d.nbytes:
-                    kpos += d.nbytes
-                    k += 1
-            pos += r
-            if pos < end and pos % ALIGN:
-                raise _SpanFailure(s.file, s.offset, s.length, 0, max(pos, off))
-        return calls
 
     # ---------------------------------------------------------------- errors
 

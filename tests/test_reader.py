@@ -301,7 +301,7 @@ def test_direct_falls_back_where_refused(tmp_path, monkeypatch, backend, refused
 @pytest.mark.parametrize("mode", ["none", "direct"])
 def test_python_path_without_preadv(shards, monkeypatch, mode):
     """Where os has no preadv (old macOS), the Python path reads one destination at a time."""
-    from expert_stream.streaming import reader as reader_mod
+    from expert_stream.streaming import python_spans as reader_mod
 
     monkeypatch.setattr(reader_mod, "_HAVE_PREADV", False)
     paths, data = shards

@@ -20,7 +20,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..reader import ALIGN, ExpertReader, ReadRequest, _preadv
+from ..python_spans import _preadv
+from ..reader import ALIGN, ExpertReader, ReadRequest
 
 try:
     from expert_stream.native import _reader as _native  # type: ignore
