@@ -23,6 +23,7 @@ CASES = [(arch, {}) for arch in PRESETS] + [
     ("qwen3_5_moe", {"vlm_layout": True}),
     ("kimi_k3", {"vlm_layout": True}),
     ("minimax_m3_vl", {"vlm_layout": True}),
+    ("gemma4_text", {"vlm_layout": True}),  # Gemma 4's multimodal export (model_type gemma4)
     ("deepseek_v41", {"bits": 8}),
 ]
 

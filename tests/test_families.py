@@ -29,8 +29,6 @@ def _skip_unavailable(arch: str) -> None:
 
 # Families found that no preset covers yet, each with the reason (a new one fails the test below).
 UNCOVERED = {
-    "gemma4": "Gemma 4's multimodal wrapper of gemma4_text (the text model has a preset); its "
-    "wrapper export layout has no synthetic preset yet",
     "prism_hadamard_qwen35": "a 2-bit Hadamard-rotated pack of qwen3_5 with its own load-time "
     "transform; not tested",
 }

@@ -56,6 +56,7 @@ def build_config(
             "architectures": list(vlm.architectures),
             "model_type": vlm.model_type,
             "text_config": text,
+            "vocab_size": text["vocab_size"],  # gemma4's wrapper hands its own to the text model
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
         }

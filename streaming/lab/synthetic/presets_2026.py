@@ -715,6 +715,8 @@ PRESETS_2026 = [
            "routed_expert_hidden_size); names start with language_model."),
     Preset("mistral4", _mistral4, mlx_lm_since="0.32", layers=3, notes="mlx-lm >= 0.32; MLA, shared expert"),
     Preset("gemma4_text", _gemma4_text, layers=3,
+           vlm=VlmLayout("wrapper", model_type="gemma4", architectures=("Gemma4ForConditionalGeneration",),
+                         text_model_type="gemma4_text"),
            notes="dense MLP and MoE side by side in every layer; tied embeddings"),
     Preset("mimo_v2_flash", _mimo_v2_flash, layers=4, min_layers=2, mtp=qwen_mtp("model.mtp"),
            notes="sliding / global attention with sinks, dense first layer"),
