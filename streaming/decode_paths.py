@@ -148,15 +148,22 @@ class LayerByLayer:
         in_scratch = np.isin(flat, passing)
         read_now = np.isin(flat, missing)
         hit_pos = np.flatnonzero(~in_scratch & ~read_now)
+        if not self.overlap:  # every read in before anything computes
+            for pending_reads in (reads, passing_reads):
+                if pending_reads is not None:
+                    store.finish_reads(pending_reads)
+            reads = None
         ys, ps = call_pairs(layer.inner, rows, hit_pos, cache.slot_of[flat[hit_pos]], k, False, plan)
         if ys:
             mx.async_eval(ys)
         if reads is not None:
             store.finish_reads(reads, pending=ys)
+        if read_now.any():
             pos = np.flatnonzero(read_now)
             y, p = call_pairs(layer.inner, rows, pos, cache.slot_of[flat[pos]], k, False, plan)
             ys, ps = ys + y, ps + p
-        store.finish_reads(passing_reads)
+        if self.overlap:
+            store.finish_reads(passing_reads)
         buffer = passing_reads.target
         local = np.full(cache.num_experts, -1, dtype=np.int32)
         local[passing] = np.arange(passing.size, dtype=np.int32)

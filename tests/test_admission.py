@@ -5,6 +5,7 @@ the logits stay bitwise stock's, and the engine misses what the simulator misses
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from exactness import assert_same_logits, prompt_ids
 from expert_stream.streaming.cache import ExpertCache
@@ -27,10 +28,11 @@ def skewed_trace(num_experts: int, top_k: int, rows: int, layers: int = 2, seed:
     return RoutingTrace(ids=out, num_experts=num_experts, name="skewed")
 
 
-def test_declined_misses_compute_from_scratch_bitwise(checkpoints):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_declined_misses_compute_from_scratch_bitwise(checkpoints, overlap):
     path = checkpoints("qwen3_moe", layers=2, experts=16, top_k=4)
     trace = skewed_trace(16, 4, rows=400)
-    stock, streamed, handle, _ = _replay_both(path, trace, row=0, slots=6, policy="default")
+    stock, streamed, handle, _ = _replay_both(path, trace, row=0, slots=6, policy="default", overlap=overlap)
     assert_same_logits(stock, streamed, prompt_ids(24), decode_steps=40, chunk=8)
     totals = handle.stats()["totals"]
     assert totals["bypassed"] > 0, totals
