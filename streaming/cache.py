@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .policy import AccessOrder, make_policy
+from .policy import AccessOrder, make_policy, placed_misses
 
 EMPTY = -1
 
@@ -97,12 +97,9 @@ class ExpertCache:
             return missing
         resident = self.expert_in[self.expert_in != EMPTY]
         guard = np.isin(resident, protected)
-        need = missing.size - free
-        if int((~guard).sum()) < need:
+        if int((~guard).sum()) < missing.size - free:
             return missing  # place() refuses it with the counts
-        victims = np.asarray(self.policy.choose_victims(resident, need, guard))
-        admitted, _ = self.policy.admission(missing[free:], victims)
-        return np.sort(np.concatenate([missing[:free], np.asarray(admitted, dtype=missing.dtype)]))
+        return placed_misses(self.policy, missing, free, resident, guard)[0]
 
     def holds_all(self) -> bool:
         """Every expert of the layer sits in a slot: the table cannot change any more."""

@@ -290,6 +290,24 @@ class AccessOrder:
         self.policy.resize(slots)
 
 
+def placed_misses(policy, missing, free: int, resident: np.ndarray, protected: np.ndarray,
+                  inspect=None) -> tuple[np.ndarray, np.ndarray]:
+    """Which of a call's `missing` experts (ascending) take a slot, and which residents leave:
+    the first `free` take the free slots; the rest compete with the victims the policy chooses
+    for them (`admission`). The engine's cache and the simulator both decide through this.
+    `inspect(victims)` sees the chosen victims before admission (the simulator's check)."""
+    missing = np.asarray(missing)
+    need = missing.size - free
+    if need <= 0:
+        return missing, missing[:0]
+    victims = np.asarray(policy.choose_victims(resident, need, protected))
+    if inspect is not None:
+        inspect(victims)
+    admitted, victims = policy.admission(missing[free:], victims)
+    placed = np.sort(np.concatenate([missing[:free], np.asarray(admitted, dtype=missing.dtype)]))
+    return placed, np.asarray(victims)
+
+
 DEFAULT = "adaptive"
 
 POLICIES: dict[str, type] = {

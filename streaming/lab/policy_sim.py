@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..budget import REBALANCE_EVERY, HitCurve, rebalance
-from ..policy import EvictionPolicy, POLICIES, make_policy
+from ..policy import EvictionPolicy, POLICIES, make_policy, placed_misses
 from ..traces import RoutingTrace
 
 NEVER = 1 << 40   # "never used again"; times num_experts stays far below int64 overflow
@@ -125,7 +125,6 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
     free = list(range(capacity - 1, -1, -1))    # pop() gives slot 0 first
     need = np.zeros(E, dtype=bool)
     on_access, on_insert, on_evict = policy.on_access, policy.on_insert, policy.on_evict
-    choose, admission = policy.choose_victims, policy.admission
     hits = acc = misses_all = 0
     for t in range(T):
         row = rows_l[t]
@@ -147,14 +146,10 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
             need[rt] = True
             prot = need[res]
             need[rt] = False
-            victims = choose(res, cnt, prot)
-            if check:
-                _check_victims(res, prot, cnt, np.asarray(victims).tolist())
-            # the misses beyond the free slots compete with their victims (as ExpertCache.admitted)
-            admitted, victims = admission(np.array(miss[len(free):], dtype=np.int64), np.asarray(victims))
-            miss = sorted(miss[:len(free)] + np.asarray(admitted).tolist())
-            vl = np.asarray(victims).tolist()
-            for v in vl:
+            inspect = (lambda v: _check_victims(res, prot, cnt, v.tolist())) if check else None
+            placed, victims = placed_misses(policy, np.array(miss, dtype=np.int64), len(free), res, prot, inspect)
+            miss = placed.tolist()
+            for v in victims.tolist():
                 s = slot_of[v]
                 slot_of[v] = -1
                 resident[s] = -1
@@ -246,17 +241,15 @@ class _ResizableLayer:
         self.policy.on_access(row, t)
         self.accesses += len(row)
         self.hits += len(row) - len(miss)
-        over = len(self.resident) + len(miss) - self.slots
-        if over > 0:
+        placed = miss
+        if len(self.resident) + len(miss) > self.slots:
             res = np.fromiter(self.resident, dtype=np.int64, count=len(self.resident))
-            victims = np.asarray(self.policy.choose_victims(res, over, np.isin(res, row)))
-            admitted, victims = self.policy.admission(np.array(miss[len(miss) - over:], dtype=np.int64), victims)
-            placed = sorted(miss[:len(miss) - over] + np.asarray(admitted).tolist())
-            for v in np.asarray(victims).tolist():
+            placed, victims = placed_misses(self.policy, np.array(miss, dtype=np.int64), self.slots - len(res),
+                                            res, np.isin(res, row))
+            placed = placed.tolist()
+            for v in victims.tolist():
                 self.resident.discard(v)
                 self.policy.on_evict(v)
-        else:
-            placed = miss
         for e in placed:
             self.resident.add(e)
             self.policy.on_insert(e)
