@@ -112,11 +112,12 @@ class LayerByLayer:
         passing_reads = self._read_passing(passing) if passing.size else None
         self.issue_guess(call)
         if passing_reads is not None:
-            return self._with_passing(x, call.ids, missing, reads, passing, passing_reads)
+            return self._in_parts(x, call.ids, missing, reads, passing, passing_reads)
         if reads is None:
             return self.layer.whole(x, indices, call.ids)
         if self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts:
-            return self._overlapped(x, call.ids, missing, reads)
+            store.cache.stats.overlap_calls += 1
+            return self._in_parts(x, call.ids, missing, reads)
         store.finish_reads(reads)
         return self.layer.whole(x, indices, call.ids)
 
@@ -136,16 +137,16 @@ class LayerByLayer:
         buffer = self.layer.sweep.scratch.buffers(store.slots.tensors)[0]
         return store.read_into(buffer, passing, np.arange(passing.size, dtype=np.int32))
 
-    def _with_passing(self, x, ids, missing, reads, passing, passing_reads):
-        """One token whose declined misses compute from a scratch buffer: hits first (while
-        everything is read), then the admitted misses from their slots, then the rest."""
+    def _in_parts(self, x, ids, missing, reads, passing=None, passing_reads=None):
+        """One token computed in parts: its hits (while the reads run, with overlap), then the
+        misses read into slots, then the declined ones from their scratch buffer."""
         layer, store = self.layer, self.layer.store
         cache = store.cache
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         rows = token_rows(x)
         plan = layer.row_plan(k, cache.num_slots, False)
-        in_scratch = np.isin(flat, passing)
+        in_scratch = np.isin(flat, passing) if passing is not None else np.zeros(flat.size, dtype=bool)
         read_now = np.isin(flat, missing)
         hit_pos = np.flatnonzero(~in_scratch & ~read_now)
         if not self.overlap:  # every read in before anything computes
@@ -162,33 +163,18 @@ class LayerByLayer:
             pos = np.flatnonzero(read_now)
             y, p = call_pairs(layer.inner, rows, pos, cache.slot_of[flat[pos]], k, False, plan)
             ys, ps = ys + y, ps + p
-        if self.overlap:
-            store.finish_reads(passing_reads)
-        buffer = passing_reads.target
-        local = np.full(cache.num_experts, -1, dtype=np.int32)
-        local[passing] = np.arange(passing.size, dtype=np.int32)
-        pos = np.flatnonzero(in_scratch)
-        y, p = call_pairs(with_arrays(layer.inner, buffer.arrays), rows, pos, local[flat[pos]], k, False,
-                          layer.row_plan(k, buffer.num_slots, False))
-        mx.eval(y)  # the scratch buffer is free for the next layer once this ran
-        return unflatten_pairs(stitch(ys + y, ps + p, axis=0), ids.shape)
-
-    def _overlapped(self, x, ids, missing, reads):
-        """One token: compute its resident experts while the missing ones are read."""
-        store = self.layer.store
-        store.cache.stats.overlap_calls += 1
-        k = ids.shape[-1]
-        flat = ids.reshape(-1)
-        plan = self.layer.row_plan(k, store.cache.num_slots, False)
-        is_miss = np.isin(flat, missing)
-        hit_pos, miss_pos = np.flatnonzero(~is_miss), np.flatnonzero(is_miss)
-        rows = token_rows(x)
-        inner = self.layer.inner
-        y_hit, p_hit = call_pairs(inner, rows, hit_pos, store.cache.slot_of[flat[hit_pos]], k, False, plan)
-        mx.async_eval(y_hit)
-        store.finish_reads(reads, pending=y_hit)
-        y_miss, p_miss = call_pairs(inner, rows, miss_pos, store.cache.slot_of[flat[miss_pos]], k, False, plan)
-        return unflatten_pairs(stitch(y_hit + y_miss, p_hit + p_miss, axis=0), ids.shape)
+        if passing_reads is not None:
+            if self.overlap:
+                store.finish_reads(passing_reads)
+            buffer = passing_reads.target
+            local = np.full(cache.num_experts, -1, dtype=np.int32)
+            local[passing] = np.arange(passing.size, dtype=np.int32)
+            pos = np.flatnonzero(in_scratch)
+            y, p = call_pairs(with_arrays(layer.inner, buffer.arrays), rows, pos, local[flat[pos]], k, False,
+                              layer.row_plan(k, buffer.num_slots, False))
+            mx.eval(y)  # the scratch buffer is free for the next layer once this ran
+            ys, ps = ys + y, ps + p
+        return unflatten_pairs(stitch(ys, ps, axis=0), ids.shape)
 
 
 class LossySkip:
