@@ -33,13 +33,18 @@ RETRY_AFTER_CALLS = 512
 
 def router_scores(block: nn.Module) -> Optional[Callable[[mx.array], mx.array]]:
     """A function x -> scores whose top-k are the experts `block` routes x to (up to group
-    limits), from the block's router: a Linear / QuantizedLinear, or a gate holding `weight`
+    limits), from the block's router: a Linear / QuantizedLinear (or another module holding
+    quantized `weight` and `scales`, called as it is), or a gate holding `weight`
     (DeepSeek-style sigmoid scores plus a correction bias)."""
     for name in ROUTER_NAMES:
         router = block.get(name) if isinstance(block, dict) else None
         if router is None:
             continue
         if isinstance(router, (nn.Linear, nn.QuantizedLinear)):
+            return router
+        if isinstance(router, nn.Module) and "scales" in router:
+            # another quantized linear (prism_hadamard_qwen35's Hadamard-rotated one): its
+            # `weight` is packed codes, so only calling it scores
             return router
         weight = router.get("weight") if isinstance(router, nn.Module) else None
         if isinstance(weight, mx.array) and weight.ndim == 2:

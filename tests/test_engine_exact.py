@@ -24,6 +24,7 @@ CASES = [(arch, {}) for arch in PRESETS] + [
     ("kimi_k3", {"vlm_layout": True}),
     ("minimax_m3_vl", {"vlm_layout": True}),
     ("gemma4_text", {"vlm_layout": True}),  # Gemma 4's multimodal export (model_type gemma4)
+    ("prism_hadamard_qwen35", {"vlm_layout": True}),  # Bonsai 2's packs carry the vision tower
     ("deepseek_v41", {"bits": 8}),
 ]
 

@@ -3,7 +3,9 @@ SwitchMLP experts, and each family found must have a synthetic preset (a new mlx
 fails here by name). Per preset: the checkpoint's tensors are the model's parameters with
 stacked experts, and `expert-stream plan` (the footprint) counts the checkpoint's expert and
 trunk bytes exactly. Exact streaming of every preset is tests/test_engine_exact.py. A family
-that cannot stream (dbrx) is refused in one sentence naming it."""
+that cannot stream (dbrx) is refused in one sentence naming it. Prism's Hadamard packs
+(prism_hadamard_qwen35) are checked to be real packs as mlx-lm loads them, and to stream with
+their rotated router."""
 
 from __future__ import annotations
 
@@ -28,10 +30,7 @@ def _skip_unavailable(arch: str) -> None:
 
 
 # Families found that no preset covers yet, each with the reason (a new one fails the test below).
-UNCOVERED = {
-    "prism_hadamard_qwen35": "a 2-bit Hadamard-rotated pack of qwen3_5 with its own load-time "
-    "transform; not tested",
-}
+UNCOVERED: dict[str, str] = {}
 
 
 def _covering_preset(family: str):
@@ -61,6 +60,8 @@ def test_every_mlx_lm_moe_family_has_a_preset():
     assert len(families) >= 30, f"the scan of mlx_lm.models found only {families}"
     assert {"glm_moe_dsa", "solar_open", "qwen3_5"} <= set(moe_families()) - set(families)
     missing = [f for f in moe_families() if _covering_preset(f) is None and f not in UNCOVERED]
+    stale = [f for f in UNCOVERED if _covering_preset(f) is not None]
+    assert not stale, f"{stale} have a preset now: take them out of UNCOVERED"
     assert not missing, (
         f"mlx-lm {mlx_lm.__version__} has MoE families with no synthetic preset: "
         f"{', '.join(missing)}; add one to streaming/lab/synthetic/presets_2026.py (or list the family "
@@ -235,4 +236,79 @@ def test_kimi_k3_latent_moe_streams_without_lookahead(checkpoints):
     stock, streamed, handle = load_pair(checkpoints("kimi_k3"))
     assert len(handle.layers) > 1 and all(layer.layered.lookahead is None for layer in handle.layers)
     assert_same_logits(stock, streamed, prompt_ids(48), decode_steps=6)
+    handle.close()
+
+
+def test_prism_hadamard_pack_is_what_mlx_lm_loads_and_streams_with_lookahead(checkpoints):
+    """prism_hadamard_qwen35 (Bonsai 2's MLX packs): every linear and the embedding of the
+    language model is a Hadamard-rotated 2-bit module named in the `modules` manifest, with a
+    +-1 sign vector on disk; the experts stay plain 2-bit group-128 SwitchGLU stacks. Read as
+    plain qwen3_5_moe the same shards give other logits (the rotation is real). The lookahead
+    probe scores with the packed router by calling it, and every logit equals stock's."""
+    _skip_unavailable("prism_hadamard_qwen35")
+    import mlx.nn as nn
+    from exactness import assert_same_logits, load_pair, prompt_ids
+    from mlx_lm.models.prism_hadamard_qwen35 import HadamardQuantizedLinear
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    path = checkpoints("prism_hadamard_qwen35")
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"] == {"bits": 2, "group_size": 128, "mode": "affine"}
+    assert (config["schema_version"], config["tensor_namespace"]) == (2, "mlx-vlm-qwen3_5")
+    stock, _ = mlx_lm.utils.load_model(path)
+    modules = dict(stock.language_model.named_modules())
+    on_disk = {}
+    for shard in path.glob("model*.safetensors"):
+        on_disk.update(mx.load(str(shard)))
+    plain_kinds = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+    unpacked = [p for p, m in modules.items() if isinstance(m, plain_kinds)]
+    assert not unpacked, f"not packed: {unpacked[:3]}"
+    assert {r["path"] for r in config["modules"]} == {
+        p for p, m in modules.items() if isinstance(m, HadamardQuantizedLinear)}
+    for record in config["modules"]:
+        assert record["block"] == 512
+        signs = on_disk[f"language_model.{record['path']}.signs"]
+        assert mx.all(mx.abs(signs) == 1).item() and 0 < mx.sum(signs == 1).item() < signs.size
+    assert sum(r["embedding"] for r in config["modules"]) == 1
+    experts = [m for _, m in routed_expert_modules(stock)]
+    assert experts and all(isinstance(m, QuantizedSwitchLinear) and (m.bits, m.group_size) == (2, 128)
+                           for m in experts)
+
+    prompt = prompt_ids(40, seed=5)
+    # the shards read as plain 2-bit qwen3_5_moe (signs left out)
+    unrotated, _ = mlx_lm.utils.load_model(path, strict=False, model_config={"model_type": "qwen3_5_moe"})
+    assert not mx.array_equal(stock(prompt), unrotated(prompt)).item()
+
+    stock, streamed, handle = load_pair(path)
+    assert len(handle.layers) > 1 and all(layer.layered.lookahead is not None for layer in handle.layers[:-1])
+    assert_same_logits(stock, streamed, prompt, decode_steps=16, chunk=16)
+    totals = handle.stats()["totals"]
+    assert totals["guesses"] > 0 and totals["evictions"] > 0
+    handle.close()
+
+
+def test_prism_hadamard_pack_takes_only_its_recipe(tmp_path):
+    """mlx-lm loads only 2-bit affine group-128 packs: the generator refuses any other recipe,
+    naming the family, and leaves no folder behind."""
+    _skip_unavailable("prism_hadamard_qwen35")
+    from expert_stream.streaming.lab.synthetic import make_checkpoint
+    from expert_stream.streaming.lab.synthetic.errors import SyntheticError
+
+    for kwargs in ({"bits": 4}, {"bits": 0}, {"group_size": 64}, {"mixed_bits": "1:4"}):
+        with pytest.raises(SyntheticError, match="prism_hadamard_qwen35: the packs are 2-bit affine"):
+            make_checkpoint(tmp_path / "pack", "prism_hadamard_qwen35", progress=False, **kwargs)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # float16 runs ~10x slower than float32 on MLX CPU: about a minute here
+def test_prism_hadamard_pack_in_float16_is_exact(checkpoints):
+    """The packs' modules compute in float16 (their manifest's dtype): a float16 trunk streams
+    bitwise equal to stock too, batched prefill and decode under eviction."""
+    _skip_unavailable("prism_hadamard_qwen35")
+    from exactness import assert_same_logits, load_pair, prompt_ids
+
+    stock, streamed, handle = load_pair(checkpoints("prism_hadamard_qwen35", dtype="float16"))
+    assert_same_logits(stock, streamed, prompt_ids(48), decode_steps=6)
+    totals = handle.stats()["totals"]
+    assert totals["evictions"] > 0 and totals["sweep_calls"] > 0
     handle.close()

@@ -35,9 +35,9 @@ def register(sub) -> None:
                    "sizes of the real model of that routing (Qwen1.5-MoE for 60 experts top-4, ...); "
                    "the size flags override any of them")
     p.add_argument("--bits", help="affine bits (2-8), 0 for unquantized, or mxfp4 "
-                   "(default: 4-bit affine; mxfp4 for gpt_oss)")
+                   "(default: 4-bit affine; mxfp4 for gpt_oss; 2-bit for prism_hadamard_qwen35, which takes no other)")
     p.add_argument("--no-quantize", action="store_true", help="same as --bits 0")
-    p.add_argument("--group-size", type=int, help="quantization group size (default 64; 32 for mxfp4)")
+    p.add_argument("--group-size", type=int, help="quantization group size (default 64; 32 for mxfp4; 128 for prism_hadamard_qwen35)")
     p.add_argument("--mixed-bits", help="expert blocks of some layers at other bits: "
                    "LAYER:BITS,... (e.g. 0:8,2:8) or one width B for every odd layer")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -120,6 +120,9 @@ class Preset:
     # the real model), so a checkpoint with more layers cannot load strictly.
     max_layers: Optional[int] = None
     quant_mode: str = "affine"  # the family's usual export: gpt-oss ships mxfp4 experts
+    # Its usual bits and group size when the caller gives none (None: 4 bits, group 64).
+    default_bits: Optional[int] = None
+    default_group_size: Optional[int] = None
     vlm: Optional[VlmLayout] = None
     module: Optional[str] = None  # mlx_lm.models.<module>; defaults to the name
     notes: str = ""
@@ -132,6 +135,10 @@ class Preset:
     metal_only: bool = False
     # The MTP head the family's exports carry and its sanitize drops (text layout only).
     mtp: Optional[Mtp] = None
+    # Turns the randomized model and its config into the family's export and quantizes it
+    # (model, config, SynthSpec) -> config, instead of the usual quantization: Prism's
+    # Hadamard-rotated packs.
+    pack: Optional[Callable] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why the installed mlx-lm cannot build this family, or None when it can."""

@@ -6,7 +6,8 @@ PRESETS at the end of presets.py."""
 
 from __future__ import annotations
 
-from .presets import Dims, Mtp, Preset, VlmLayout, _common, _glm4_moe, _mla, deepseek_mtp, qwen_mtp
+from . import hadamard_pack
+from .presets import Dims, Mtp, Preset, VlmLayout, _common, _glm4_moe, _mla, _qwen3_5_moe, deepseek_mtp, qwen_mtp
 
 
 def _every(n: int, period: int, offset: int = 0) -> list[int]:
@@ -441,6 +442,15 @@ def _solar_open(d: Dims) -> dict:
     return {**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
+def _prism_hadamard_qwen35(d: Dims) -> dict:
+    # Prism's Hadamard packs (Bonsai 2): the qwen3_5 (MoE) model, packed by hadamard_pack.pack
+    # after its weights are drawn. The shared expert runs at the model's width, so every packed
+    # linear's input takes the same Hadamard block (the published packs use one block).
+    config = _qwen3_5_moe(d)
+    config["text_config"]["shared_expert_intermediate_size"] = d.hidden
+    return config
+
+
 def _kimi_vl(d: Dims) -> dict:
     # Kimi-VL's language model: the DeepSeek-V3 model under `language_model.` (names as the
     # mlx-lm class has them; its sanitize drops the vision tower).
@@ -747,6 +757,11 @@ PRESETS_2026 = [
     Preset("longcat_flash", _longcat_flash, mtp=qwen_mtp("model.mtp"), notes="two attentions per layer, zero experts"),
     Preset("longcat_flash_ngram", _longcat_flash_ngram, mtp=qwen_mtp("model.mtp"),
            notes="LongCat-Flash with n-gram embeddings"),
+    Preset("prism_hadamard_qwen35", _prism_hadamard_qwen35, mlx_lm_since="0.32", layers=4, min_layers=2,
+           hidden=512, moe_hidden=128, default_bits=2, default_group_size=128, pack=hadamard_pack.pack,
+           vlm=VlmLayout("native"),
+           notes="mlx-lm >= 0.32; qwen3_5 with every linear and the embedding 2-bit in a "
+           "Hadamard-rotated basis (`modules` manifest, sign vectors), experts plain 2-bit group 128"),
     Preset("kimi_vl", _kimi_vl, layers=3, notes="the deepseek_v3 model under language_model."),
     Preset("mellum", _mellum, mlx_lm_since="0.32", notes="mlx-lm >= 0.32; sliding / full attention"),
     Preset("Klear", _klear, notes="shared expert"),

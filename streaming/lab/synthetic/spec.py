@@ -88,7 +88,12 @@ def resolve_spec(
         hidden=int(hidden if hidden is not None else preset.hidden),
         moe_hidden=int(moe_hidden if moe_hidden is not None else preset.moe_hidden),
         vocab_size=int(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE),
-        quant=quantization.resolve_recipe(bits, group_size, mixed_bits, preset.quant_mode),
+        quant=quantization.resolve_recipe(
+            bits if bits is not None else preset.default_bits,
+            group_size if group_size is not None else preset.default_group_size,
+            mixed_bits,
+            preset.quant_mode,
+        ),
         dtype=dtype,
         seed=int(seed),
         shard_size_mb=int(shard_size_mb),
@@ -128,7 +133,10 @@ def materialize(spec: SynthSpec, *, values: bool = True) -> Materialized:
     )
     model = build_model(config, spec.seed)
     chunked = randomize(model, spec.seed, spec.dtype, values=values)
-    if spec.quant is not None:
+    if preset.pack is not None:
+        config = preset.pack(model, config, spec)
+        chunked = {}  # packed tensors are rotated whole, not drawn and quantized in chunks
+    elif spec.quant is not None:
         num_layers = text_config(config)["num_hidden_layers"]
         config = quantization.quantize(model, config, spec.quant, num_layers)
     weights = flat_weights(model)

@@ -50,8 +50,9 @@ def make_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of `arch` into `out_dir` and return `out_dir`.
 
-    bits: None = the family's usual export (4-bit affine; mxfp4 for gpt_oss), an int = affine
-    bits (0 = unquantized), "mxfp4". group_size: None = 64 (affine) / 32 (mxfp4).
+    bits: None = the family's usual export (4-bit affine; mxfp4 for gpt_oss; 2-bit group 128 for
+    prism_hadamard_qwen35, its only recipe), an int = affine bits (0 = unquantized), "mxfp4".
+    group_size: None = the family's (64 affine, 32 mxfp4).
     mixed_bits: expert blocks of some layers at other bits: {layer: bits}, "0:8,2:8", or one
     bit width for every odd layer. overrides: merged into the (text) config."""
     spec = resolve_spec(
