@@ -46,6 +46,10 @@ def test_bench_replay_report(model, tmp_path, capsys):
     assert r["ratio_to_disk_bound"] == pytest.approx(r["decode_tok_s"] / r["disk_bound_tok_s"])
     assert r["bound_tok_s"] == pytest.approx(1 / max(r["t_compute_s"], r["t_disk_s"]))
     assert r["bound_run_tok_s"] == pytest.approx(min(1 / r["t_compute_s"], r["disk_bound_tok_s"]))
+    # Reads in flight per token: the reader's bytes at its own rate; the waited part is no more.
+    assert r["read_busy_per_token_s"] == pytest.approx(r["bytes_per_token"] / (r["read_gbps_run"] * 1e9), rel=0.05)
+    assert 0 <= r["reads_hidden_share"] <= 1
+    assert r["reads_hidden_share"] == pytest.approx(max(0, 1 - r["read_wait_per_token_s"] / r["read_busy_per_token_s"]))
     if sys.platform.startswith("linux"):
         assert r["page_cache"]["method"].startswith("posix_fadvise") and r["page_cache"]["resident_share_after"] == 0.0
     assert "cannot know" in r["lookahead"]["note"]
@@ -61,6 +65,7 @@ def test_bench_replay_trace_start_and_text(model, tmp_path, capsys):
     assert "real routing replayed: t from row 10" in out
     assert "; 0% of the timed decode rows are decode rows" in out  # rows 18..21 are prefill rows
     assert "lru" in out and "belady" in out and "page cache" in out
+    assert "hidden behind compute" in out
 
 
 def test_bench_refuses_a_trace_of_another_top_k(model, tmp_path, capsys):

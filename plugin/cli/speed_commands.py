@@ -157,6 +157,10 @@ def print_report(r: dict) -> None:
         rows.append(("disk bound", f"{r['disk_bound_tok_s']:.2f} tok/s at the reader's {r['read_gbps_run']:.2f} GB/s "
                                    f"during decode -> ratio {r['ratio_to_disk_bound']:.2f}; with t_compute "
                                    f"{r['bound_run_tok_s']:.2f} tok/s -> ratio {r['ratio_to_bound_run']:.2f}"))
+    if r.get("reads_hidden_share") is not None:
+        rows.append(("reads", f"{r['read_busy_per_token_s'] * 1e3:.1f} ms/token in flight, "
+                              f"{r['read_wait_per_token_s'] * 1e3:.1f} ms waited for: "
+                              f"{r['reads_hidden_share']:.0%} hidden behind compute"))
     sim = r.get("routing", {}).get("sim_misses_per_token")
     if sim:
         rows.append(("simulated", ", ".join(f"{k} {v:.1f}" for k, v in sim.items() if v is not None)

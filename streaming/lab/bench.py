@@ -256,6 +256,8 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
         bytes_per_token=decode["bytes_read"] / decode_tokens,
         bytes_per_prompt_token=prefill_stats.get("bytes_read", 0) / cfg.prompt_tokens,
         read_wait_per_token_s=decode["read_seconds"] / decode_tokens,
+        # The reader's batches in flight per token (their wall time, whether waited for or not).
+        read_busy_per_token_s=read_seconds / decode_tokens,
         # The engine's reader during the timed decode: its bytes over its batches' wall time.
         read_gbps_run=read_bytes / read_seconds / 1e9 if read_seconds > 0 else None,
         slots_per_layer=[s.cache.num_slots for s in handle.streams],
@@ -339,6 +341,9 @@ def finish(report: dict) -> dict:
     report["ratio_to_bound"] = report["decode_tok_s"] / report["bound_tok_s"]
     # The same bounds at the rate the engine's reader achieved in this run (the disk measured
     # before the run moves a lot on shared machines): the disk alone, and with the compute.
+    # The share of the read time that compute hid: a layer's reads overlap only its own hits.
+    busy = report.get("read_busy_per_token_s") or 0.0
+    report["reads_hidden_share"] = max(0.0, 1 - report["read_wait_per_token_s"] / busy) if busy > 0 else None
     rate = report.get("read_gbps_run")
     if rate and report["bytes_per_token"] > 0:
         t_disk_run = report["bytes_per_token"] / (rate * 1e9)

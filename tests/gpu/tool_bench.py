@@ -80,7 +80,8 @@ def one_run(args, ck: Path, run: str, variant: tuple[str, dict, dict]) -> dict:
 
 
 HEADER = ["run", "variant", "budget GiB", "slots", "cap", "decode tok/s", "stock tok/s", "to stock",
-          "miss/tok", "MB/tok", "read GB/s", "disk GB/s", "to bound", "sim lru", "sim belady", "cap peak GB", "result"]
+          "miss/tok", "MB/tok", "read GB/s", "disk GB/s", "to bound", "to bound (reader)", "reads hidden",
+          "sim lru", "sim belady", "cap peak GB", "result"]
 
 
 def row(r: dict) -> list:
@@ -96,7 +97,8 @@ def row(r: dict) -> list:
     return [r["run"], r["variant"], f"{r['budget_gib']:g}", r["slots_target"], r["cap_gib"] or "none",
             r.get("decode_tok_s"), r.get("stock_tok_s"), r.get("ratio_to_stock"), r.get("misses_per_token"),
             mb / 1e6 if mb is not None else None, r.get("read_gbps_run"), r.get("disk_gbps"),
-            r.get("ratio_to_bound_run"), sim.get("lru"), sim.get("belady"), cap.get("peak_gb"), result]
+            r.get("ratio_to_bound"), r.get("ratio_to_bound_run"), r.get("reads_hidden_share"),
+            sim.get("lru"), sim.get("belady"), cap.get("peak_gb"), result]
 
 
 def main(args) -> int:
