@@ -339,11 +339,11 @@ def finish(report: dict) -> dict:
     report["t_disk_s"] = t_disk
     report["bound_tok_s"] = 1 / max(report["t_compute_s"], t_disk)
     report["ratio_to_bound"] = report["decode_tok_s"] / report["bound_tok_s"]
-    # The same bounds at the rate the engine's reader achieved in this run (the disk measured
-    # before the run moves a lot on shared machines): the disk alone, and with the compute.
     # The share of the read time that compute hid: a layer's reads overlap only its own hits.
     busy = report.get("read_busy_per_token_s") or 0.0
     report["reads_hidden_share"] = max(0.0, 1 - report["read_wait_per_token_s"] / busy) if busy > 0 else None
+    # The same bounds at the rate the engine's reader achieved in this run (the disk measured
+    # before the run moves a lot on shared machines): the disk alone, and with the compute.
     rate = report.get("read_gbps_run")
     if rate and report["bytes_per_token"] > 0:
         t_disk_run = report["bytes_per_token"] / (rate * 1e9)
