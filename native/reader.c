@@ -15,6 +15,9 @@
  *       The GIL is released for the whole batch; spans run on the pool's persistent pthreads
  *       plus the calling thread. err is None or (file, span_offset, span_length, errno, pos):
  *       errno 0 means end of file before the span ended (short read).
+ *   ticket = pool.start(batch, fds, dfds, mode); ticket.wait() -> (nbytes, syscalls, err, seconds)
+ *       The same batch read by the workers alone: start() returns once they are woken, so the
+ *       reads begin at once, without a Python thread (and the GIL) between the caller and them.
  *
  *   raw_read(fds, offsets, block, threads) -> (bytes, seconds, errno, fail_index)
  *       A fio-like reference: each (fd, offset) read as one `block`-byte pread into an aligned
@@ -388,6 +391,7 @@ typedef struct Job {
     int64_t err_pos;
     int64_t syscalls;
     int64_t bytes;
+    double t_first, t_last; /* first span taken, last span done (now_seconds) */
     pthread_cond_t cv;
     struct Job *qnext;
 } Job;
@@ -397,7 +401,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv_work;
     Job *head;
-    int threads; /* participants per batch: workers + the caller */
+    int threads; /* worker threads; a run() batch's caller reads with them */
     int nworkers;
     pthread_t *tids;
     int started;
@@ -642,12 +646,16 @@ static void finish_span(Job *j, int si, const SpanResult *res) {
         j->err_pos = res->pos;
     }
     j->done++;
-    if (j->done == j->nspans) pthread_cond_broadcast(&j->cv);
+    if (j->done == j->nspans) {
+        j->t_last = now_seconds();
+        pthread_cond_broadcast(&j->cv);
+    }
 }
 
 /* under p->mu: claim the next span of job j (which must be queued); unlink it when exhausted */
 static int claim(PoolObject *p, Job *j) {
     int si = j->next++;
+    if (si == 0) j->t_first = now_seconds();
     if (j->next >= j->nspans) {
         Job **pp = &p->head;
         while (*pp && *pp != j) pp = &(*pp)->qnext;
@@ -681,8 +689,7 @@ static void *worker_main(void *arg) {
 static void start_workers(PoolObject *p) {
     if (p->started || p->closed) return;
     p->started = 1;
-    int want = p->threads - 1;
-    if (want <= 0) return;
+    int want = p->threads; /* a started batch is read by the workers alone */
     p->tids = calloc((size_t)want, sizeof(pthread_t));
     if (!p->tids) return;
     pthread_attr_t attr;
@@ -802,93 +809,94 @@ static int parse_fds(PyObject *obj, int nfiles, int **out, const char *what) {
     return 0;
 }
 
-static PyObject *Pool_run(PoolObject *self, PyObject *args) {
-    BatchObject *b;
+/* Parse and check (batch, fds, dfds, mode); on success *fds and *dfds are PyMem buffers. */
+static int run_args(PyObject *args, BatchObject **b, int **fds, int **dfds, int *mode) {
     PyObject *fds_obj, *dfds_obj;
-    int mode;
-    if (!PyArg_ParseTuple(args, "O!OOi", &BatchType, &b, &fds_obj, &dfds_obj, &mode)) return NULL;
-    if (mode < MODE_NONE || mode > MODE_NOCACHE) {
+    if (!PyArg_ParseTuple(args, "O!OOi", &BatchType, b, &fds_obj, &dfds_obj, mode)) return -1;
+    if (*mode < MODE_NONE || *mode > MODE_NOCACHE) {
         PyErr_SetString(PyExc_ValueError, "mode must be 0 (none), 1 (fadvise), 2 (direct) or 3 (nocache)");
-        return NULL;
+        return -1;
     }
-    if (b->running) {
+    if ((*b)->running) {
         PyErr_SetString(PyExc_RuntimeError, "this batch is already being read by another thread");
-        return NULL;
+        return -1;
     }
-    int *fds = NULL, *dfds = NULL;
-    if (parse_fds(fds_obj, b->nfiles, &fds, "fds") < 0) return NULL;
-    if (parse_fds(dfds_obj, b->nfiles, &dfds, "dfds") < 0) {
-        PyMem_Free(fds);
-        return NULL;
+    if (parse_fds(fds_obj, (*b)->nfiles, fds, "fds") < 0) return -1;
+    if (parse_fds(dfds_obj, (*b)->nfiles, dfds, "dfds") < 0) {
+        PyMem_Free(*fds);
+        return -1;
     }
-    for (int i = 0; i < b->nspans; i++) {
-        int f = b->spans[i].file;
-        int d = mode == MODE_DIRECT ? dfds[f] : fds[f];
+    for (int i = 0; i < (*b)->nspans; i++) {
+        int f = (*b)->spans[i].file;
+        int d = *mode == MODE_DIRECT ? (*dfds)[f] : (*fds)[f];
         if (d < 0) {
-            PyMem_Free(fds);
-            PyMem_Free(dfds);
+            PyMem_Free(*fds);
+            PyMem_Free(*dfds);
             PyErr_Format(PyExc_ValueError, "file %d is not open (%s descriptor missing)", f,
-                         mode == MODE_DIRECT ? "O_DIRECT" : "buffered");
-            return NULL;
+                         *mode == MODE_DIRECT ? "O_DIRECT" : "buffered");
+            return -1;
         }
     }
-    b->running = 1;
+    return 0;
+}
 
-    Job j;
-    memset(&j, 0, sizeof(j));
-    j.spans = b->spans;
-    j.nspans = b->nspans;
-    j.segs = b->segs;
-    j.fds = fds;
-    j.dfds = dfds;
-    j.mode = mode;
-    j.bounce_bytes = self->bounce_bytes;
-    j.err_span = -1;
-    pthread_cond_init(&j.cv, NULL);
+static void init_job(Job *j, const BatchObject *b, const int *fds, const int *dfds, int mode, int64_t bounce_bytes) {
+    memset(j, 0, sizeof(*j));
+    j->spans = b->spans;
+    j->nspans = b->nspans;
+    j->segs = b->segs;
+    j->fds = fds;
+    j->dfds = dfds;
+    j->mode = mode;
+    j->bounce_bytes = bounce_bytes;
+    j->err_span = -1;
+    pthread_cond_init(&j->cv, NULL);
+}
 
-    Py_BEGIN_ALLOW_THREADS
-    PoolObject *p = self;
-    if (p->pid != getpid()) {
-        /* forked child: the parent's workers do not exist here; start afresh */
-        pthread_mutex_init(&p->mu, NULL);
-        pthread_cond_init(&p->cv_work, NULL);
-        pthread_cond_init(&p->cv_drop, NULL);
-        p->dq_head = p->dq_count = 0;
-        p->drop_started = 0;
-        p->head = NULL;
-        p->tids = NULL;
-        p->nworkers = 0;
-        p->started = 0;
-        p->nspare = 0;
-        p->pid = getpid();
-    }
-    pthread_mutex_lock(&p->mu);
+/* without the GIL: a forked child has none of the parent's workers; start afresh */
+static void pool_after_fork(PoolObject *p) {
+    if (p->pid == getpid()) return;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv_work, NULL);
+    pthread_cond_init(&p->cv_drop, NULL);
+    p->dq_head = p->dq_count = 0;
+    p->drop_started = 0;
+    p->head = NULL;
+    p->tids = NULL;
+    p->nworkers = 0;
+    p->started = 0;
+    p->nspare = 0;
+    p->pid = getpid();
+}
+
+/* under p->mu: queue job j for the workers and wake as many as it has spans (minus `keep`, the
+ * spans the caller reads itself); 0 when there are no workers to take it */
+static int enqueue(PoolObject *p, Job *j, int keep) {
+    start_workers(p);
+    if (p->nworkers <= 0 || p->stop) return 0;
+    Job **pp = &p->head;
+    while (*pp) pp = &(*pp)->qnext;
+    *pp = j;
+    int wake = j->nspans - keep < p->nworkers ? j->nspans - keep : p->nworkers;
+    for (int i = 0; i < wake; i++) pthread_cond_signal(&p->cv_work);
+    return 1;
+}
+
+/* under p->mu: the caller reads the spans of j no worker has claimed yet, with a spare bounce
+ * buffer (kept for the next batch) */
+static void read_unclaimed(PoolObject *p, Job *j) {
     void *bounce = NULL;
-    if (mode == MODE_DIRECT && p->nspare > 0) bounce = p->spare[--p->nspare];
-    if (j.nspans > 0) {
-        if (j.nspans > 1) {
-            start_workers(p);
-            if (p->nworkers > 0 && !p->stop) {
-                Job **pp = &p->head;
-                while (*pp) pp = &(*pp)->qnext;
-                *pp = &j;
-                int wake = j.nspans - 1 < p->nworkers ? j.nspans - 1 : p->nworkers;
-                for (int i = 0; i < wake; i++) pthread_cond_signal(&p->cv_work);
-            }
-        }
-        /* the calling thread works on its own batch too (so a batch progresses even when the
-         * workers are busy with another one, or there are none) */
-        while (j.next < j.nspans) {
-            Job **pp = &p->head;
-            while (*pp && *pp != &j) pp = &(*pp)->qnext;
-            int si = *pp ? claim(p, &j) : j.next++;
-            pthread_mutex_unlock(&p->mu);
-            SpanResult res;
-            run_span(p, &j, si, &bounce, &res);
-            pthread_mutex_lock(&p->mu);
-            complete_span(p, &j, si, &res);
-        }
-        while (j.done < j.nspans) pthread_cond_wait(&j.cv, &p->mu);
+    if (j->mode == MODE_DIRECT && p->nspare > 0) bounce = p->spare[--p->nspare];
+    while (j->next < j->nspans) {
+        Job **pp = &p->head;
+        while (*pp && *pp != j) pp = &(*pp)->qnext;
+        int si = *pp ? claim(p, j) : j->next++;
+        if (si == 0) j->t_first = now_seconds();
+        pthread_mutex_unlock(&p->mu);
+        SpanResult res;
+        run_span(p, j, si, &bounce, &res);
+        pthread_mutex_lock(&p->mu);
+        complete_span(p, j, si, &res);
     }
     if (bounce) {
         if (p->nspare == p->capspare) {
@@ -904,20 +912,152 @@ static PyObject *Pool_run(PoolObject *self, PyObject *args) {
         else
             free(bounce);
     }
+}
+
+/* (bytes, syscalls, err) of a finished job, err None or (file, off, len, errno, pos) */
+static PyObject *job_result(const Job *j, const BatchObject *b) {
+    if (j->failed) {
+        const Span *s = &b->spans[j->err_span];
+        return Py_BuildValue("(LL(iLLiL))", (long long)j->bytes, (long long)j->syscalls, s->file, (long long)s->off,
+                             (long long)s->len, j->err_errno, (long long)j->err_pos);
+    }
+    return Py_BuildValue("(LLO)", (long long)j->bytes, (long long)j->syscalls, Py_None);
+}
+
+static PyObject *Pool_run(PoolObject *self, PyObject *args) {
+    BatchObject *b;
+    int *fds, *dfds, mode;
+    if (run_args(args, &b, &fds, &dfds, &mode) < 0) return NULL;
+    b->running = 1;
+    Job j;
+    init_job(&j, b, fds, dfds, mode, self->bounce_bytes);
+    Py_BEGIN_ALLOW_THREADS
+    PoolObject *p = self;
+    pool_after_fork(p);
+    pthread_mutex_lock(&p->mu);
+    if (j.nspans > 1) enqueue(p, &j, 1);
+    /* the calling thread works on its own batch too (so a batch progresses even when the
+     * workers are busy with another one, or there are none) */
+    read_unclaimed(p, &j);
+    while (j.done < j.nspans) pthread_cond_wait(&j.cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     Py_END_ALLOW_THREADS
-
     pthread_cond_destroy(&j.cv);
     b->running = 0;
     PyMem_Free(fds);
     PyMem_Free(dfds);
-    if (j.failed) {
-        const Span *s = &b->spans[j.err_span];
-        return Py_BuildValue("(LL(iLLiL))", (long long)j.bytes, (long long)j.syscalls, s->file, (long long)s->off,
-                             (long long)s->len, j.err_errno, (long long)j.err_pos);
-    }
-    return Py_BuildValue("(LLO)", (long long)j.bytes, (long long)j.syscalls, Py_None);
+    return job_result(&j, b);
 }
+
+/* A batch started by Pool.start: the workers read it while the caller goes on. */
+typedef struct {
+    PyObject_HEAD
+    PoolObject *pool;
+    BatchObject *batch;
+    Job *job; /* NULL once collected */
+    int *fds, *dfds;
+    PyObject *result;
+} TicketObject;
+
+static PyTypeObject TicketType;
+
+static PyObject *Pool_start(PoolObject *self, PyObject *args) {
+    BatchObject *b;
+    int *fds, *dfds, mode;
+    if (run_args(args, &b, &fds, &dfds, &mode) < 0) return NULL;
+    TicketObject *t = PyObject_New(TicketObject, &TicketType);
+    Job *j = PyMem_RawMalloc(sizeof(Job));
+    if (!t || !j) {
+        Py_XDECREF(t);
+        PyMem_RawFree(j);
+        PyMem_Free(fds);
+        PyMem_Free(dfds);
+        return PyErr_NoMemory();
+    }
+    b->running = 1;
+    init_job(j, b, fds, dfds, mode, self->bounce_bytes);
+    Py_INCREF(self);
+    Py_INCREF(b);
+    t->pool = self;
+    t->batch = b;
+    t->job = j;
+    t->fds = fds;
+    t->dfds = dfds;
+    t->result = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    PoolObject *p = self;
+    pool_after_fork(p);
+    pthread_mutex_lock(&p->mu);
+    if (j->nspans > 0 && !enqueue(p, j, 0)) read_unclaimed(p, j); /* no workers: read it now */
+    pthread_mutex_unlock(&p->mu);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)t;
+}
+
+/* without the GIL: wait for the ticket's job */
+static void ticket_wait_job(TicketObject *t) {
+    pthread_mutex_lock(&t->pool->mu);
+    while (t->job->done < t->job->nspans) pthread_cond_wait(&t->job->cv, &t->pool->mu);
+    pthread_mutex_unlock(&t->pool->mu);
+}
+
+static void ticket_collect(TicketObject *t) {
+    pthread_cond_destroy(&t->job->cv);
+    PyMem_RawFree(t->job);
+    t->job = NULL;
+    t->batch->running = 0;
+    PyMem_Free(t->fds);
+    PyMem_Free(t->dfds);
+    t->fds = t->dfds = NULL;
+}
+
+static PyObject *Ticket_wait(TicketObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->result) {
+        Py_BEGIN_ALLOW_THREADS
+        ticket_wait_job(self);
+        Py_END_ALLOW_THREADS
+        Job *j = self->job;
+        PyObject *r = job_result(j, self->batch);
+        if (!r) return NULL;
+        double seconds = j->nspans ? j->t_last - j->t_first : 0.0;
+        self->result = Py_BuildValue("(OOOd)", PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 2),
+                                     seconds);
+        Py_DECREF(r);
+        if (!self->result) return NULL;
+        ticket_collect(self);
+    }
+    Py_INCREF(self->result);
+    return self->result;
+}
+
+static void Ticket_dealloc(TicketObject *self) {
+    if (self->job) { /* never waited: its reads still write the batch's destinations */
+        Py_BEGIN_ALLOW_THREADS
+        ticket_wait_job(self);
+        Py_END_ALLOW_THREADS
+        ticket_collect(self);
+    }
+    Py_XDECREF(self->result);
+    Py_DECREF(self->batch);
+    Py_DECREF(self->pool);
+    PyObject_Free(self);
+}
+
+static PyMethodDef Ticket_methods[] = {
+    {"wait", (PyCFunction)Ticket_wait, METH_NOARGS,
+     "wait() -> (bytes, syscalls, err, seconds): blocks without the GIL until the batch is read; seconds "
+     "from its first span taken to its last done"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TicketType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "expert_stream.native._reader.Ticket",
+    .tp_basicsize = sizeof(TicketObject),
+    .tp_dealloc = (destructor)Ticket_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A batch Pool.start began reading; wait() for its result.",
+    .tp_methods = Ticket_methods,
+};
 
 static PyObject *Pool_get_threads(PoolObject *self, void *c) { return PyLong_FromLong(self->threads); }
 static PyObject *Pool_get_workers(PoolObject *self, void *c) { return PyLong_FromLong(self->nworkers); }
@@ -925,12 +1065,14 @@ static PyObject *Pool_get_workers(PoolObject *self, void *c) { return PyLong_Fro
 static PyMethodDef Pool_methods[] = {
     {"run", (PyCFunction)Pool_run, METH_VARARGS,
      "run(batch, fds, dfds, mode) -> (bytes, syscalls, err); releases the GIL for the whole batch"},
+    {"start", (PyCFunction)Pool_start, METH_VARARGS,
+     "start(batch, fds, dfds, mode) -> Ticket: the workers read the batch; returns at once"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS, "stop and join the worker threads"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Pool_getset[] = {
-    {"threads", (getter)Pool_get_threads, NULL, "reads in flight per batch (workers + caller)", NULL},
+    {"threads", (getter)Pool_get_threads, NULL, "worker threads to start", NULL},
     {"workers", (getter)Pool_get_workers, NULL, "worker threads started", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -1089,7 +1231,7 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__reader(void) {
-    if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&PoolType) < 0 || PyType_Ready(&TicketType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&BatchType);

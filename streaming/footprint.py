@@ -62,19 +62,7 @@ def checkpoint_footprint(
 ) -> Footprint:
     """Sizes of a checkpoint's trunk and experts, from its headers and a lazily built model
     (`trust_remote_code`: the caller checked that its `model_file`, if any, may run)."""
-    from mlx_lm.utils import load_model
-
-    from .loader import expert_tensors
-    from .remote_code import trusted
-
-    index = CheckpointIndex(path)
-    check_streamable(index.model_type, index.model_dir)
-    model, _ = load_model(index.model_dir, lazy=True, **trusted(load_model, trust_remote_code))
-    spec = spec_for(index.model_type, architectures)
-    blocks = find_expert_blocks(model, spec)
-    if not blocks:
-        raise NotMoEError(f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers")
-    layers = [expert_tensors(index, p, b, spec) for p, b in blocks]
+    index, model, spec, layers = expert_layers(path, architectures, trust_remote_code)
     per_layer = tuple(expert_bytes(t) for t in layers)
     counts = tuple(t[0].num_experts for t in layers)
     return Footprint(
@@ -87,6 +75,23 @@ def checkpoint_footprint(
         top_k=spec.experts_per_token(index.config),
         dropped_bytes=index.total_bytes() - _loaded_bytes(index, model, spec),
     )
+
+
+def expert_layers(path, architectures=None, trust_remote_code: bool = False):
+    """-> (index, lazily built model, spec, each MoE layer's ExpertTensor list), no data read."""
+    from mlx_lm.utils import load_model
+
+    from .loader import expert_tensors
+    from .remote_code import trusted
+
+    index = CheckpointIndex(path)
+    check_streamable(index.model_type, index.model_dir)
+    model, _ = load_model(index.model_dir, lazy=True, **trusted(load_model, trust_remote_code))
+    spec = spec_for(index.model_type, architectures)
+    blocks = find_expert_blocks(model, spec)
+    if not blocks:
+        raise NotMoEError(f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers")
+    return index, model, spec, [expert_tensors(index, p, b, spec) for p, b in blocks]
 
 
 def _loaded_bytes(index: CheckpointIndex, model, spec: ArchitectureSpec) -> int:

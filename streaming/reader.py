@@ -9,7 +9,8 @@
   cut into spans of at most `cap` bytes, `cap = clamp(ceil(total / threads), 1 MiB, 16 MiB)`, so
   that a batch keeps `threads` reads in flight, and at most IOV_MAX destinations per span.
 - Spans run in parallel: native path on the C extension's persistent pthreads (the GIL is released
-  for the whole batch), Python path on a thread pool with `os.preadv` (releases the GIL per call).
+  for the whole batch; submit() wakes them itself, so that a busy caller holding the GIL does
+  not delay the reads), Python path on a thread pool with `os.preadv` (releases the GIL per call).
   Both paths plan spans with the same rule and give the same bytes.
 - Page cache bypass (`cache_bypass`): "fadvise" reads buffered, then drops the pages of the range
   (posix_fadvise DONTNEED); "direct" reads the aligned covering range with O_DIRECT into an aligned
@@ -165,7 +166,7 @@ class ExpertReader(PythonSpans):
         """Start the batch in the background and return at once. Bad requests raise here; I/O
         errors come out of the future. The destinations must stay alive until it completes."""
         plan = self._plan(requests)
-        return self._dispatcher().submit(self._execute, plan)
+        return self._dispatcher().submit(self._execute, plan, self._start_native(plan))
 
     def close(self) -> None:
         """Wait for submitted batches, stop the threads and close the descriptors."""
@@ -301,19 +302,39 @@ class ExpertReader(PythonSpans):
                                                                             thread_name_prefix="expert-span")
         return self._span_exec
 
-    def _execute(self, plan) -> ReadResult:
-        with self._idle:
-            if self._closed:
-                raise ValueError("read on a closed ExpertReader")
-            self._inflight += 1
+    def _start_native(self, plan):
+        """Native backend: (ticket, mode) of the batch the pool's workers start reading now, so
+        that no Python thread stands between submit() and the disk; None where it cannot start
+        here (python backend, a changed shard, a file that does not open: _execute reports it)."""
+        if self.backend != "native" or self.failure is not None:
+            return None
+        try:
+            self._ensure_open(plan.files())
+        except ReadError:
+            return None
+        mode = self.cache_bypass
+        return self._pool.start(plan, self._fds, self._dfds, _MODE_CODE[mode]), mode
+
+    def _execute(self, plan, started=None) -> ReadResult:
+        try:
+            with self._idle:
+                if self._closed:
+                    raise ValueError("read on a closed ExpertReader")
+                self._inflight += 1
+        except BaseException:
+            if started is not None:
+                started[0].wait()  # its destinations are written until it ends
+            raise
         result = None
         try:
             if self.failure is not None:
                 raise self.failure
-            result = self._execute_inner(plan)
+            result = self._execute_inner(plan, started)
             self._check_unchanged(plan)
             return result
         finally:
+            if started is not None:
+                started[0].wait()
             with self._idle:
                 self._inflight -= 1
                 if result is not None:
@@ -344,11 +365,15 @@ class ExpertReader(PythonSpans):
             self.failure = exc
             raise
 
-    def _execute_inner(self, plan) -> ReadResult:
+    def _execute_inner(self, plan, started=None) -> ReadResult:
         for attempt in (0, 1):
             mode = self.cache_bypass
             t0 = time.perf_counter()
             try:
+                if started is not None and attempt == 0:
+                    mode = started[1]
+                    res = self._collect_native(plan, started[0])
+                    return ReadResult(res[0], res[4], res[1], res[2], res[3])
                 if self.backend == "native":
                     res = self._run_native(plan, mode)
                 else:
@@ -371,6 +396,12 @@ class ExpertReader(PythonSpans):
         if err is not None:
             raise _SpanFailure(*err)
         return nbytes, batch.nspans, syscalls, batch.nrequests
+
+    def _collect_native(self, batch, ticket):
+        nbytes, syscalls, err, seconds = ticket.wait()
+        if err is not None:
+            raise _SpanFailure(*err)
+        return nbytes, batch.nspans, syscalls, batch.nrequests, seconds
 
     # ---------------------------------------------------------------- errors
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
+import sys
 import threading
 import time
 import zlib
@@ -123,10 +124,36 @@ def test_native_and_python_plan_the_same_spans(shards):
     rng = np.random.default_rng(7)
     for threads in (1, 3, 8):
         reqs = make_dests(random_requests(data, rng, n=200), rng)
-        py, total, nreq = plan_spans(reqs, len(paths), threads, iov_max=1024)
+        py, total, nreq = plan_spans(reqs, len(paths), threads, min_span=MiB, iov_max=1024)
         batch = native._reader.plan(reqs, len(paths), threads, 16 * MiB, MiB, 1024)
         assert batch.nbytes == total and batch.nrequests == nreq == len(reqs)
         assert batch.span_list() == [(s.file, s.offset, s.length, len(s.dests)) for s in py]
+
+
+@pytest.mark.skipif(not native.available, reason="native reader not built")
+def test_native_submit_reads_while_the_caller_holds_the_gil(shards):
+    """The engine builds the layer's graph in Python right after submitting its misses: the
+    reads must not wait for the GIL. A switch interval of a minute keeps every other Python
+    thread off it while this one spins; only bytes written without the GIL can arrive."""
+    paths, data = shards
+    reqs = [ReadRequest(4, 5 + i * MiB, MiB, np.zeros(MiB, np.uint8)) for i in range(8)]
+    want = [data[4][r.offset + r.length - 1] for r in reqs]
+    assert all(want), "pick ranges whose last byte is not zero"
+    with ExpertReader(paths, threads=4, cache_bypass="none", backend="native") as reader:
+        reader.submit(reqs[:1]).result(timeout=60)  # every thread started, files open
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(60.0)
+        try:
+            fut = reader.submit(reqs)
+            deadline = time.perf_counter() + 5.0
+            landed = False
+            while not landed and time.perf_counter() < deadline:  # element reads keep the GIL
+                landed = all(r.dest[-1] == w for r, w in zip(reqs, want))
+            fut.result(timeout=60)
+        finally:
+            sys.setswitchinterval(old)
+    assert landed, "the batch was read only once the caller let go of the GIL"
+    check(reqs, data)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -2,6 +2,8 @@
 
     measure_read_bandwidth(paths)  -> {"gbps": ..., "seconds": ..., "bytes": ...}   through ExpertReader
     measure_raw_bandwidth(paths)   -> the same keys: plain O_DIRECT preads, a fio-like reference
+    measure_expert_batches(model_dir, experts=1) -> the same keys: one layer's misses at a time,
+                                      as decode reads them (random layer and experts, one batch in flight)
 
 Both read random block-aligned blocks of the given files (weighted by file size) after dropping
 the files' pages from the page cache (posix_fadvise DONTNEED, where the OS has it), so they
@@ -28,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover
     _native = None
 
-__all__ = ["measure_read_bandwidth", "measure_raw_bandwidth", "drop_page_cache"]
+__all__ = ["measure_read_bandwidth", "measure_raw_bandwidth", "measure_expert_batches", "drop_page_cache"]
 
 _DEST_CAP = 256 << 20  # destination memory for measure_read_bandwidth (two batches in flight)
 
@@ -98,6 +100,43 @@ def measure_read_bandwidth(paths: Sequence, *, block_bytes: int = 4 << 20, total
         seconds = time.perf_counter() - t0
         return _result(nbytes, seconds, block_bytes=block, threads=threads, backend=reader.backend,
                        cache_bypass=reader.cache_bypass, page_cache_dropped=dropped)
+
+
+def measure_expert_batches(model_dir, *, experts: int = 1, batches: int = 200, threads: int = 4,
+                           min_span_bytes: int | None = None, gap_ms: float = 0.0, cache_bypass: str = "auto",
+                           backend: str = "auto", seed: int = 0) -> dict:
+    """Decode's read pattern: `batches` batches of `experts` distinct experts of one random MoE
+    layer (every tensor of each), submitted one after another with nothing else in flight and
+    `gap_ms` idle between two (a layer's compute). gbps is their bytes over the batches' summed
+    wall time; ms_median one batch's wall."""
+    from ..footprint import expert_layers
+    from ..read_plan import MIN_SPAN
+
+    index, _, _, layers = expert_layers(model_dir)
+    rng = np.random.default_rng(seed)
+    dests = [[np.empty(t.row_bytes, np.uint8) for t in layers[0]] for _ in range(experts)]
+    plans = []
+    for _ in range(batches):
+        tensors = layers[int(rng.integers(len(layers)))]
+        chosen = rng.choice(tensors[0].num_experts, size=min(experts, tensors[0].num_experts), replace=False)
+        plans.append([ReadRequest(t.info.file, t.offset_of(e), t.row_bytes,
+                                  dests[i][j] if dests[i][j].size == t.row_bytes else np.empty(t.row_bytes, np.uint8))
+                      for i, e in enumerate(chosen) for j, t in enumerate(tensors)])
+    dropped = drop_page_cache(index.files)
+    walls = []
+    nbytes = 0
+    with ExpertReader(index.files, threads=threads, cache_bypass=cache_bypass, backend=backend,
+                      min_span_bytes=MIN_SPAN if min_span_bytes is None else min_span_bytes) as reader:
+        for reqs in plans:
+            if gap_ms:
+                time.sleep(gap_ms / 1e3)
+            t0 = time.perf_counter()
+            nbytes += reader.read(reqs).bytes
+            walls.append(time.perf_counter() - t0)
+        used = (reader.backend, reader.cache_bypass)
+    return _result(nbytes, sum(walls), ms_median=1e3 * float(np.median(walls)), experts=experts, threads=threads,
+                   min_span_bytes=min_span_bytes or MIN_SPAN, gap_ms=gap_ms, backend=used[0], cache_bypass=used[1],
+                   page_cache_dropped=dropped)
 
 
 def _open_raw(path) -> Tuple[int, str]:
@@ -196,14 +235,23 @@ def main(argv=None) -> int:
     import json
 
     ap = argparse.ArgumentParser(prog="python -m expert_stream.streaming.lab.disk_bandwidth", description=main.__doc__)
-    ap.add_argument("paths", nargs="+")
+    ap.add_argument("paths", nargs="*", help="files to read (or --model)")
     ap.add_argument("--blocks", default="768K,4M")
     ap.add_argument("--threads", default="1,4,8")
     ap.add_argument("--total", default="1G", help="bytes read per measurement")
     ap.add_argument("--modes", default="fadvise,direct", help="cache_bypass modes for the reader")
     ap.add_argument("--backends", default="python,native")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="instead: decode's batches of this checkpoint's experts (--experts, --min-spans, --threads)")
+    ap.add_argument("--experts", default="1,2,4", help="with --model: experts per batch")
+    ap.add_argument("--min-spans", default="1M,256K", help="with --model: the reader's smallest span")
+    ap.add_argument("--gaps", default="0", help="with --model: ms idle between two batches")
     a = ap.parse_args(argv)
+    if a.model is not None:
+        return _batches_main(a)
+    if not a.paths:
+        ap.error("give the files to read, or --model DIR")
     total = _size(a.total)
     cols = [(b, m) for b in a.backends.split(",") for m in a.modes.split(",")]
     if not a.json:
@@ -224,6 +272,24 @@ def main(argv=None) -> int:
             else:
                 vals = [v for k, v in row.items() if "/" in k]
                 print(f"{blk:>7} {threads:>3} {raw['gbps']:6.2f} " + " ".join(f"{v:15.2f}" for v in vals), flush=True)
+    return 0
+
+
+def _batches_main(a) -> int:
+    import itertools
+    import json
+
+    if not a.json:
+        print(f"{'experts':>7} {'thr':>3} {'min_span':>8} {'gap ms':>6} {'GB/s':>6} {'ms/batch':>8}")
+    for experts, threads, span, gap in itertools.product(
+            [int(k) for k in a.experts.split(",")], [int(t) for t in a.threads.split(",")],
+            a.min_spans.split(","), [float(g) for g in a.gaps.split(",")]):
+        r = measure_expert_batches(a.model, experts=experts, threads=threads, min_span_bytes=_size(span),
+                                   gap_ms=gap, seed=experts * 1000 + threads)
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"{experts:>7} {threads:>3} {span:>8} {gap:6g} {r['gbps']:6.2f} {r['ms_median']:8.2f}", flush=True)
     return 0
 
 
