@@ -965,10 +965,9 @@ static PyObject *Pool_start(PoolObject *self, PyObject *args) {
     BatchObject *b;
     int *fds, *dfds, mode;
     if (run_args(args, &b, &fds, &dfds, &mode) < 0) return NULL;
-    TicketObject *t = PyObject_New(TicketObject, &TicketType);
     Job *j = PyMem_RawMalloc(sizeof(Job));
-    if (!t || !j) {
-        Py_XDECREF(t);
+    TicketObject *t = j ? PyObject_New(TicketObject, &TicketType) : NULL;
+    if (!t) { /* the job or the ticket could not be allocated */
         PyMem_RawFree(j);
         PyMem_Free(fds);
         PyMem_Free(dfds);
