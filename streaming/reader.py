@@ -316,17 +316,14 @@ class ExpertReader(PythonSpans):
         return self._pool.start(plan, self._fds, self._dfds, _MODE_CODE[mode]), mode
 
     def _execute(self, plan, started=None) -> ReadResult:
+        counted = False
+        result = None
         try:
             with self._idle:
                 if self._closed:
                     raise ValueError("read on a closed ExpertReader")
                 self._inflight += 1
-        except BaseException:
-            if started is not None:
-                started[0].wait()  # its destinations are written until it ends
-            raise
-        result = None
-        try:
+                counted = True
             if self.failure is not None:
                 raise self.failure
             result = self._execute_inner(plan, started)
@@ -334,15 +331,16 @@ class ExpertReader(PythonSpans):
             return result
         finally:
             if started is not None:
-                started[0].wait()
-            with self._idle:
-                self._inflight -= 1
-                if result is not None:
-                    self.total_bytes += result.bytes
-                    self.total_seconds += result.seconds
-                    self.total_batches += 1
-                if not self._inflight:
-                    self._idle.notify_all()
+                started[0].wait()  # whatever happened here, the workers write its destinations until it ends
+            if counted:
+                with self._idle:
+                    self._inflight -= 1
+                    if result is not None:
+                        self.total_bytes += result.bytes
+                        self.total_seconds += result.seconds
+                        self.total_batches += 1
+                    if not self._inflight:
+                        self._idle.notify_all()
 
     def verify(self) -> None:
         """Raise ShardChangedError if any shard changed since it was indexed (see `identities`)."""
@@ -372,8 +370,7 @@ class ExpertReader(PythonSpans):
             try:
                 if started is not None and attempt == 0:
                     mode = started[1]
-                    res = self._collect_native(plan, started[0])
-                    return ReadResult(res[0], res[4], res[1], res[2], res[3])
+                    return self._collect_native(plan, started[0])
                 if self.backend == "native":
                     res = self._run_native(plan, mode)
                 else:
@@ -397,11 +394,12 @@ class ExpertReader(PythonSpans):
             raise _SpanFailure(*err)
         return nbytes, batch.nspans, syscalls, batch.nrequests
 
-    def _collect_native(self, batch, ticket):
+    def _collect_native(self, batch, ticket) -> ReadResult:
+        """A started batch's result; its seconds are timed by the pool, first read to last."""
         nbytes, syscalls, err, seconds = ticket.wait()
         if err is not None:
             raise _SpanFailure(*err)
-        return nbytes, batch.nspans, syscalls, batch.nrequests, seconds
+        return ReadResult(nbytes, seconds, batch.nspans, syscalls, batch.nrequests)
 
     # ---------------------------------------------------------------- errors
 

@@ -113,20 +113,22 @@ def measure_expert_batches(model_dir, *, experts: int = 1, batches: int = 200, t
     from ..read_plan import MIN_SPAN
 
     index, _, _, layers = expert_layers(model_dir)
+    min_span = MIN_SPAN if min_span_bytes is None else min_span_bytes
     rng = np.random.default_rng(seed)
-    dests = [[np.empty(t.row_bytes, np.uint8) for t in layers[0]] for _ in range(experts)]
+    # One destination per (expert of the batch, tensor), wide enough for any layer's row.
+    scratch = np.empty((experts, max(len(ts) for ts in layers), max(t.row_bytes for ts in layers for t in ts)),
+                       np.uint8)
     plans = []
     for _ in range(batches):
         tensors = layers[int(rng.integers(len(layers)))]
         chosen = rng.choice(tensors[0].num_experts, size=min(experts, tensors[0].num_experts), replace=False)
-        plans.append([ReadRequest(t.info.file, t.offset_of(e), t.row_bytes,
-                                  dests[i][j] if dests[i][j].size == t.row_bytes else np.empty(t.row_bytes, np.uint8))
+        plans.append([ReadRequest(t.info.file, t.offset_of(e), t.row_bytes, scratch[i, j, :t.row_bytes])
                       for i, e in enumerate(chosen) for j, t in enumerate(tensors)])
     dropped = drop_page_cache(index.files)
     walls = []
     nbytes = 0
     with ExpertReader(index.files, threads=threads, cache_bypass=cache_bypass, backend=backend,
-                      min_span_bytes=MIN_SPAN if min_span_bytes is None else min_span_bytes) as reader:
+                      min_span_bytes=min_span) as reader:
         for reqs in plans:
             if gap_ms:
                 time.sleep(gap_ms / 1e3)
@@ -135,7 +137,7 @@ def measure_expert_batches(model_dir, *, experts: int = 1, batches: int = 200, t
             walls.append(time.perf_counter() - t0)
         used = (reader.backend, reader.cache_bypass)
     return _result(nbytes, sum(walls), ms_median=1e3 * float(np.median(walls)), experts=experts, threads=threads,
-                   min_span_bytes=min_span_bytes or MIN_SPAN, gap_ms=gap_ms, backend=used[0], cache_bypass=used[1],
+                   min_span_bytes=min_span, gap_ms=gap_ms, backend=used[0], cache_bypass=used[1],
                    page_cache_dropped=dropped)
 
 
