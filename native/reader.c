@@ -954,7 +954,7 @@ typedef struct {
     PyObject_HEAD
     PoolObject *pool;
     BatchObject *batch;
-    Job *job; /* NULL once collected */
+    Job *job; /* freed with the ticket */
     int *fds, *dfds;
     PyObject *result;
 } TicketObject;
@@ -993,28 +993,49 @@ static PyObject *Pool_start(PoolObject *self, PyObject *args) {
     return (PyObject *)t;
 }
 
-/* without the GIL: wait for the ticket's job */
-static void ticket_wait_job(TicketObject *t) {
-    pthread_mutex_lock(&t->pool->mu);
-    while (t->job->done < t->job->nspans) pthread_cond_wait(&t->job->cv, &t->pool->mu);
-    pthread_mutex_unlock(&t->pool->mu);
+/* without the GIL: wait until the ticket's job is done or `timeout` seconds (< 0: no limit) have
+ * passed; 1 when it is done. The job lives as long as the ticket, so any thread may wait on it. */
+static int ticket_wait_job(TicketObject *t, double timeout) {
+    PoolObject *p = t->pool;
+    Job *j = t->job;
+    struct timespec until;
+    if (timeout >= 0) {
+        clock_gettime(CLOCK_REALTIME, &until); /* the condition variables' clock */
+        time_t whole = (time_t)timeout;
+        until.tv_sec += whole;
+        until.tv_nsec += (long)((timeout - (double)whole) * 1e9);
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    while (j->done < j->nspans && rc != ETIMEDOUT)
+        rc = timeout < 0 ? pthread_cond_wait(&j->cv, &p->mu) : pthread_cond_timedwait(&j->cv, &p->mu, &until);
+    int done = j->done >= j->nspans;
+    pthread_mutex_unlock(&p->mu);
+    return done;
 }
 
-static void ticket_collect(TicketObject *t) {
-    pthread_cond_destroy(&t->job->cv);
-    PyMem_RawFree(t->job);
-    t->job = NULL;
-    t->batch->running = 0;
-    PyMem_Free(t->fds);
-    PyMem_Free(t->dfds);
-    t->fds = t->dfds = NULL;
-}
-
-static PyObject *Ticket_wait(TicketObject *self, PyObject *Py_UNUSED(ignored)) {
+static PyObject *Ticket_wait(TicketObject *self, PyObject *args) {
+    PyObject *limit = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:wait", &limit)) return NULL;
     if (!self->result) {
+        double timeout = -1.0;
+        if (limit != Py_None) {
+            timeout = PyFloat_AsDouble(limit);
+            if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+            if (!(timeout >= 0)) timeout = 0;     /* negative or NaN: only look */
+            else if (timeout > 1e9) timeout = -1.0; /* past any time_t deadline: no limit */
+        }
+        int done;
         Py_BEGIN_ALLOW_THREADS
-        ticket_wait_job(self);
+        done = ticket_wait_job(self, timeout);
         Py_END_ALLOW_THREADS
+        if (!done) Py_RETURN_NONE;
+    }
+    if (!self->result) { /* another thread may have built it while this one waited */
         Job *j = self->job;
         PyObject *r = job_result(j, self->batch);
         if (!r) return NULL;
@@ -1023,19 +1044,22 @@ static PyObject *Ticket_wait(TicketObject *self, PyObject *Py_UNUSED(ignored)) {
                                      seconds);
         Py_DECREF(r);
         if (!self->result) return NULL;
-        ticket_collect(self);
+        self->batch->running = 0;
     }
     Py_INCREF(self->result);
     return self->result;
 }
 
 static void Ticket_dealloc(TicketObject *self) {
-    if (self->job) { /* never waited: its reads still write the batch's destinations */
-        Py_BEGIN_ALLOW_THREADS
-        ticket_wait_job(self);
-        Py_END_ALLOW_THREADS
-        ticket_collect(self);
-    }
+    /* a ticket never waited for: its reads still write the batch's destinations */
+    Py_BEGIN_ALLOW_THREADS
+    ticket_wait_job(self, -1.0);
+    Py_END_ALLOW_THREADS
+    pthread_cond_destroy(&self->job->cv);
+    PyMem_RawFree(self->job);
+    self->batch->running = 0;
+    PyMem_Free(self->fds);
+    PyMem_Free(self->dfds);
     Py_XDECREF(self->result);
     Py_DECREF(self->batch);
     Py_DECREF(self->pool);
@@ -1043,9 +1067,9 @@ static void Ticket_dealloc(TicketObject *self) {
 }
 
 static PyMethodDef Ticket_methods[] = {
-    {"wait", (PyCFunction)Ticket_wait, METH_NOARGS,
-     "wait() -> (bytes, syscalls, err, seconds): blocks without the GIL until the batch is read; seconds "
-     "from its first span taken to its last done"},
+    {"wait", (PyCFunction)Ticket_wait, METH_VARARGS,
+     "wait(timeout=None) -> (bytes, syscalls, err, seconds), or None if the batch is not read within timeout "
+     "seconds; blocks without the GIL; seconds from its first span taken to its last done"},
     {NULL, NULL, 0, NULL},
 };
 

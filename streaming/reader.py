@@ -3,6 +3,7 @@
     reader = ExpertReader(paths, threads=4)
     reader.read([ReadRequest(file, offset, length, dest), ...])      # blocking
     fut = reader.submit(requests)                                    # runs in the background
+    fut.result()                                                     # -> ReadResult
 
 - Requests come unsorted; they are sorted by (file, offset) and adjacent ranges of one file
   (offset + length == next offset) become one read with one destination per request (preadv),
@@ -10,7 +11,8 @@
   that a batch keeps `threads` reads in flight, and at most IOV_MAX destinations per span.
 - Spans run in parallel: native path on the C extension's persistent pthreads (the GIL is released
   for the whole batch; submit() wakes them itself, so that a busy caller holding the GIL does
-  not delay the reads), Python path on a thread pool with `os.preadv` (releases the GIL per call).
+  not delay the reads, and result() waits on them directly, so that the caller wakes when the last
+  read lands), Python path on a thread pool with `os.preadv` (releases the GIL per call).
   Both paths plan spans with the same rule and give the same bytes.
 - Page cache bypass (`cache_bypass`): "fadvise" reads buffered, then drops the pages of the range
   (posix_fadvise DONTNEED); "direct" reads the aligned covering range with O_DIRECT into an aligned
@@ -133,6 +135,7 @@ class ExpertReader(PythonSpans):
         self._dispatch: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._drop_exec: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._exec_lock = threading.Lock()
+        self._uncollected: set = set()  # StartedRead whose result nobody asked for yet (close() does)
         self._local = threading.local()
         self._inflight = 0
         self._idle = threading.Condition(threading.Lock())
@@ -162,11 +165,18 @@ class ExpertReader(PythonSpans):
         plan = self._plan(requests)
         return self._execute(plan)
 
-    def submit(self, requests) -> "concurrent.futures.Future[ReadResult]":
-        """Start the batch in the background and return at once. Bad requests raise here; I/O
-        errors come out of the future. The destinations must stay alive until it completes."""
+    def submit(self, requests):
+        """Start the batch in the background and return at once a future (`result(timeout=None)`,
+        `done()`). Bad requests raise here; I/O errors come out of `result()`. The destinations must
+        stay alive until it completes."""
         plan = self._plan(requests)
-        return self._dispatcher().submit(self._execute, plan, self._start_native(plan))
+        started = self._start_native(plan)
+        if started is None:
+            return self._dispatcher().submit(self._execute, plan)
+        read = StartedRead(self, plan, started)
+        with self._idle:
+            self._uncollected.add(read)
+        return read
 
     def close(self) -> None:
         """Wait for submitted batches, stop the threads and close the descriptors."""
@@ -178,6 +188,11 @@ class ExpertReader(PythonSpans):
         self._closing = True  # no new batches; queued and running ones finish
         if self._dispatch is not None:
             self._dispatch.shutdown(wait=wait)
+        if wait:  # started batches nobody collected: their results stay with their futures
+            with self._idle:
+                uncollected = list(self._uncollected)
+            for read in uncollected:
+                read.outcome()
         with self._idle:  # batches read() by other threads finish before their descriptors close
             while self._inflight and wait:
                 self._idle.wait()
@@ -427,6 +442,44 @@ class ExpertReader(PythonSpans):
         else:
             hint = "check that the file is readable and the disk healthy"
         return ReadError(f"{name} ({msg}) reading {where} (failed at byte {fail.pos}): {hint}.")
+
+
+class StartedRead:
+    """A batch that submit() started on the native pool's workers. The first thread that asks
+    for its result collects it, waiting on the workers without the GIL: the engine's compute
+    thread wakes when the last read lands, not through another Python thread."""
+
+    __slots__ = ("_reader", "_plan", "_started", "_lock", "_outcome")
+
+    def __init__(self, reader: ExpertReader, plan, started):
+        self._reader, self._plan, self._started = reader, plan, started
+        self._lock = threading.Lock()
+        self._outcome = None  # (ReadResult, None) or (None, exception), once collected
+
+    def done(self) -> bool:
+        return self._outcome is not None or self._started[0].wait(0) is not None
+
+    def result(self, timeout: Optional[float] = None) -> ReadResult:
+        if self._outcome is None and timeout is not None and self._started[0].wait(timeout) is None:
+            raise concurrent.futures.TimeoutError(f"the batch was not read within {timeout} s")
+        result, exc = self.outcome()
+        if exc is not None:
+            raise exc
+        return result
+
+    def outcome(self) -> tuple:
+        """(ReadResult, None) or (None, the exception): collected once, by whichever thread asks.
+        An interrupt of the asking thread (KeyboardInterrupt) is not the batch's outcome: it
+        propagates and the batch stays to be collected."""
+        with self._lock:
+            if self._outcome is None:
+                try:
+                    self._outcome = (self._reader._execute(self._plan, self._started), None)
+                except Exception as exc:
+                    self._outcome = (None, exc)
+                with self._reader._idle:
+                    self._reader._uncollected.discard(self)
+        return self._outcome
 
 
 class _DirectRefused(Exception):

@@ -156,6 +156,35 @@ def test_native_submit_reads_while_the_caller_holds_the_gil(shards):
     check(reqs, data)
 
 
+@pytest.mark.skipif(not native.available, reason=f"native reader not built: {native.import_error}")
+def test_native_submitted_batch_is_collected_by_whoever_asks(tmp_path):
+    """A started batch's future: result(timeout) that runs out raises and leaves the batch
+    collectable; two threads asking at once get the same result; close() collects the batches
+    nobody asked for, so their futures still hold their results afterwards."""
+    p = tmp_path / "big.bin"
+    blob = np.random.default_rng(6).integers(0, 256, 96 * MiB, dtype=np.uint8)
+    blob.tofile(p)
+    data = [blob.tobytes()]
+    with ExpertReader([p], threads=1, cache_bypass="none", backend="native") as reader:
+        reqs = [ReadRequest(0, 1 + i * MiB, MiB - 3, np.empty(MiB - 3, np.uint8)) for i in range(96)]
+        fut = reader.submit(reqs)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            fut.result(timeout=0)  # 96 MiB on one thread cannot have landed yet
+        got = []
+        askers = [threading.Thread(target=lambda: got.append(fut.result(timeout=60))) for _ in range(2)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join(60)
+        assert len(got) == 2 and got[0] is got[1] and got[0].bytes == sum(r.length for r in reqs)
+        assert fut.done()
+        check(reqs, data)
+        late = [ReadRequest(0, 7 + i * MiB, MiB, np.empty(MiB, np.uint8)) for i in range(40)]
+        unasked = reader.submit(late)
+    assert unasked.done() and unasked.result().bytes == 40 * MiB
+    check(late, data)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adjacent_requests_merge(shards, backend):
     paths, data = shards
@@ -224,8 +253,7 @@ def test_submit_returns_at_once_and_overlaps(tmp_path, backend, mode):
         a = [ReadRequest(0, i * MiB, MiB, np.empty(MiB, np.uint8)) for i in range(0, 40, 2)]
         b = [ReadRequest(0, i * MiB + 1, MiB, np.empty(MiB, np.uint8)) for i in range(1, 40, 2)]
         fa, fb = reader.submit(a), reader.submit(b)
-        concurrent.futures.wait([fa, fb], timeout=60)
-        fa.result(), fb.result()
+        fb.result(timeout=60), fa.result(timeout=60)
         check(a + b, data)
 
 
