@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from expert_stream.streaming.errors import ExpertStreamError
 from expert_stream.streaming.policy import DEFAULT, POLICIES, EvictionPolicy, LRUPolicy, make_policy
 from expert_stream.streaming.lab.policy_sim import (
     BeladyPolicy, capacity_for, gap_closed, simulate, simulate_layer)
@@ -328,6 +329,28 @@ def test_policy_eval_cli(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "belady" in text and "lfu" in text and "LRU-to-Belady gap" in text
     assert "default+budget" in text and "misses/token" in text
+    args = parser.parse_args(["policy-eval", str(path), "--hindsight", "16,64", "--json"])
+    assert args.func(args) == 0
+    assert {"hindsight/16", "hindsight/64"} <= set(json.loads(capsys.readouterr().out))
+    args = parser.parse_args(["policy-eval", str(path), "--hindsight", "0"])
+    with pytest.raises(ExpertStreamError, match="--hindsight"):
+        args.func(args)
+
+
+def test_hindsight_windows_hold_each_windows_most_used_experts():
+    """Two halves that use disjoint pairs: a window per half misses nothing; one window over
+    both keeps the first pair (ties: lowest id) and misses the whole second half."""
+    from expert_stream.streaming.lab.policy_sim import hindsight_windows
+
+    ids = np.array([[[0, 1]]] * 4 + [[[3, 2]]] * 4, dtype=np.int16)
+    tr = RoutingTrace(ids=ids, phase=np.ones(8, dtype=np.uint8), num_experts=8)
+    assert hindsight_windows(tr, 0.25, 4)["misses_per_token"] == 0.0
+    whole = hindsight_windows(tr, 0.25, 8)
+    assert whole["misses_per_token"] == 1.0 and whole["hit_rate"] == 50.0
+    rng = np.random.default_rng(3)  # a window of one token holds exactly its experts
+    rows = _random_rows(rng, 200, 32, 4)
+    one = RoutingTrace(ids=rows[:, None, :].astype(np.int16), num_experts=32)
+    assert hindsight_windows(one, 0.25, 1)["misses_per_token"] == 0.0
 
 
 # -- the engine's cache misses what the simulator misses -------------------------------------

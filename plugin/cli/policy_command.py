@@ -1,12 +1,14 @@
 """`expert-stream policy-eval`: replay a routing trace through the cache's eviction policies.
 
     expert-stream policy-eval TRACE.npz --capacity 0.25 [--policies lru,default,...]
-                              [--online-budget] [--json]
+                              [--online-budget] [--hindsight 128,512] [--json]
 
 Prints the decode hit rate (%) and misses per decode token of each policy, Belady's optimum as
 the ceiling, and the share of the LRU-to-Belady gap (in misses per token) the default policy
 closes. ``--online-budget`` adds LRU and the default with slots moved between layers by their
-measured hit curves (``policy_sim.simulate_budgeted``). The replay definition is the one documented in
+measured hit curves (``policy_sim.simulate_budgeted``); ``--hindsight W`` adds the misses of
+the C experts each W decode tokens use most, chosen knowing them (``policy_sim.hindsight_windows``:
+what perfect popularity prediction at that window would give). The replay definition is the one documented in
 `expert_stream.streaming.lab.policy_sim` (per-layer caches, each token's top-k pinned, decode tokens,
 cache carried over requests, mean over layers).
 """
@@ -38,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("--online-budget", action="store_true",
                    help="also replay lru and default with online per-layer budgets "
                         "(rows lru+budget, default+budget)")
+    p.add_argument("--hindsight", default=None, metavar="W,W,...",
+                   help="also report, for each window of W decode tokens, a cache holding the C "
+                        "experts that window uses most, chosen knowing them (rows hindsight/W)")
     p.add_argument("--json", action="store_true",
                    help="print only a JSON object {policy: hit %%} on stdout")
     p.add_argument("--include-prefill", action="store_true",
@@ -55,7 +60,7 @@ def _error(msg: str) -> Exception:
 def run_policy_eval(args: argparse.Namespace) -> int:
     from expert_stream.streaming.policy import DEFAULT, POLICIES
     from expert_stream.streaming.lab.policy_sim import (
-        capacity_for, gap_closed, simulate, simulate_budgeted)
+        capacity_for, gap_closed, hindsight_windows, simulate, simulate_budgeted)
     from expert_stream.streaming.traces import load_trace
 
     share = float(args.capacity)
@@ -72,6 +77,12 @@ def run_policy_eval(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise _error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}, belady")
+
+    windows = []
+    for w in filter(None, (args.hindsight or "").split(",")):
+        if not w.strip().isdigit() or int(w) < 1:
+            raise _error(f"--hindsight takes window sizes in decode tokens (positive integers), got {w!r}")
+        windows.append(int(w))
 
     trace = load_trace(args.trace)           # TraceError (an ExpertStreamError) names file and key
     if trace.decode_mask().sum() == 0 and not args.include_prefill:
@@ -93,6 +104,9 @@ def run_policy_eval(args: argparse.Namespace) -> int:
         for n in ("lru", "default"):
             r = simulate_budgeted(trace, n, share)
             rates[f"{n}+budget"], per_token[f"{n}+budget"] = r["hit_rate"], r["misses_per_token"]
+    for w in windows:
+        r = hindsight_windows(trace, share, w)
+        rates[f"hindsight/{w}"], per_token[f"hindsight/{w}"] = r["hit_rate"], r["misses_per_token"]
 
     if args.json:
         json.dump(rates, sys.stdout)

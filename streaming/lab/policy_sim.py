@@ -219,6 +219,32 @@ def evaluate(trace: RoutingTrace, share: float, policies=None, check: bool = Fal
     return out
 
 
+def hindsight_windows(trace: RoutingTrace, share: float, window: int) -> dict:
+    """Each layer holds, over each ``window`` decode tokens, the C experts those tokens use most
+    (chosen knowing them; the set changes between windows for free). No policy that predicts a
+    window's popular experts from the past can miss less at that window; Belady, which adapts
+    token by token, can. Same return keys as ``simulate``."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    E, K = int(trace.num_experts), trace.top_k
+    C = capacity_for(share, E, K)
+    ids = trace.ids[trace.decode_mask()].astype(np.int64)
+    T = ids.shape[0]
+    per_layer, misses = [], 0
+    for li in range(trace.num_layers):
+        rows = _distinct_rows(ids[:, li, :])
+        missed = 0
+        for a in range(0, T, window):
+            block = rows[a:a + window]
+            kept = np.zeros(E, dtype=bool)
+            kept[np.argsort(-np.bincount(block.ravel(), minlength=E), kind="stable")[:C]] = True
+            missed += int(np.count_nonzero(~kept[block]))
+        per_layer.append(100.0 * (1 - missed / rows.size) if rows.size else float("nan"))
+        misses += missed
+    return {"hit_rate": float(np.mean(per_layer)), "per_layer": per_layer, "capacity": C,
+            "misses_per_token": misses / max(T, 1)}
+
+
 def gap_closed(policy_rate: float, lru_rate: float, belady_rate: float) -> float:
     """Share (0..1) of the LRU-to-Belady gap a policy closes (nan when there is no gap)."""
     gap = belady_rate - lru_rate
