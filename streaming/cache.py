@@ -22,6 +22,16 @@ from .policy import AccessOrder, make_policy, placed_misses
 EMPTY = -1
 
 
+def among(values: np.ndarray, members: np.ndarray, size: int) -> np.ndarray:
+    """Bool mask: which of `values` (ids in [0, size)) are in `members`. np.isin's result for a
+    layer's few expert ids, without its sorts (a decode call makes several of these a layer).
+    Negative members (EMPTY) are ignored."""
+    members = np.asarray(members)
+    mark = np.zeros(size, dtype=bool)
+    mark[members[members >= 0]] = True
+    return mark[values]
+
+
 @dataclass
 class LayerStats:
     calls: int = 0
@@ -96,7 +106,7 @@ class ExpertCache:
         if missing.size <= free:
             return missing
         resident = self.expert_in[self.expert_in != EMPTY]
-        guard = np.isin(resident, protected)
+        guard = among(resident, protected, self.num_experts)
         if int((~guard).sum()) < missing.size - free:
             return missing  # place() refuses it with the counts
         return placed_misses(self.policy, missing, free, resident, guard)[0]
@@ -109,8 +119,9 @@ class ExpertCache:
         """Reserve a slot for each of `experts` (not resident, not being read), evicting others
         but never an expert in `protected`; return the slots, aligned with `experts`. The caller
         reads the bytes into them, then calls `claim` (or `release` if the read failed)."""
-        if np.isin(experts, self.incoming).any():
-            raise RuntimeError(f"experts {experts[np.isin(experts, self.incoming)].tolist()} are already being read")
+        reading = among(experts, self.incoming, self.num_experts)
+        if reading.any():
+            raise RuntimeError(f"experts {experts[reading].tolist()} are already being read")
         slots = np.empty(len(experts), dtype=np.int32)
         free = np.flatnonzero((self.expert_in == EMPTY) & (self.incoming == EMPTY))
         n_free = min(len(free), len(experts))
@@ -119,7 +130,7 @@ class ExpertCache:
         if need:
             occupied = np.flatnonzero(self.expert_in != EMPTY)
             resident = self.expert_in[occupied]
-            guard = np.isin(resident, protected)
+            guard = among(resident, protected, self.num_experts)
             if int((~guard).sum()) < need:
                 raise RuntimeError(
                     f"cannot place {len(experts)} experts: {self.num_slots} slots, "

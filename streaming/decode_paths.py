@@ -17,6 +17,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .cache import among
 from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
 from .prefill_sweep import with_arrays
 
@@ -107,7 +108,7 @@ class LayerByLayer:
         missing = store.cache.access(call.needed)
         passing = self._not_admitted(missing, call)
         if passing.size:
-            missing = np.setdiff1d(missing, passing)
+            missing = missing[~among(missing, passing, store.cache.num_experts)]
         reads = store.start_reads(missing, protected=call.needed) if missing.size else None
         passing_reads = self._read_passing(passing) if passing.size else None
         self.issue_guess(call)
@@ -128,7 +129,7 @@ class LayerByLayer:
         if not missing.size or not call.single_token or call.sorts or scratch is None:
             return missing[:0]
         cache = self.layer.store.cache
-        passing = np.setdiff1d(missing, cache.admitted(missing, protected=call.needed))
+        passing = missing[~among(missing, cache.admitted(missing, protected=call.needed), cache.num_experts)]
         return passing if passing.size <= scratch.batch else passing[:0]
 
     def _read_passing(self, passing: np.ndarray):
@@ -146,8 +147,8 @@ class LayerByLayer:
         flat = ids.reshape(-1)
         rows = token_rows(x)
         plan = layer.row_plan(k, cache.num_slots, False)
-        in_scratch = np.isin(flat, passing) if passing is not None else np.zeros(flat.size, dtype=bool)
-        read_now = np.isin(flat, missing)
+        in_scratch = among(flat, passing, cache.num_experts) if passing is not None else np.zeros(flat.size, dtype=bool)
+        read_now = among(flat, missing, cache.num_experts)
         hit_pos = np.flatnonzero(~in_scratch & ~read_now)
         if not self.overlap:  # every read in before anything computes
             for pending_reads in (reads, passing_reads):
