@@ -890,8 +890,11 @@ static void read_unclaimed(PoolObject *p, Job *j) {
     while (j->next < j->nspans) {
         Job **pp = &p->head;
         while (*pp && *pp != j) pp = &(*pp)->qnext;
-        int si = *pp ? claim(p, j) : j->next++;
-        if (si == 0) j->t_first = now_seconds();
+        int si;
+        if (*pp)
+            si = claim(p, j);
+        else if ((si = j->next++) == 0) /* not queued: claim() did not stamp the first span */
+            j->t_first = now_seconds();
         pthread_mutex_unlock(&p->mu);
         SpanResult res;
         run_span(p, j, si, &bounce, &res);
