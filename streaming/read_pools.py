@@ -79,9 +79,9 @@ class PythonPool:
         self._limits = (nfiles, threads, max_span, min_span, iov_max)
         self.threads = threads
         self.bounce_bytes = bounce_bytes
-        self._spans = None  # ThreadPoolExecutor of `threads`, made on first use
-        self._drops = None  # one thread dropping pages after fadvise reads
-        self._executors_lock = threading.Lock()
+        # (Executors start their threads on first use.)
+        self._spans = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="expert-span")
+        self._drops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expert-drop")  # fadvise's
         self._local = threading.local()  # each thread's bounce buffer
 
     def plan(self, requests) -> SpanPlan:
@@ -90,8 +90,7 @@ class PythonPool:
 
     def start(self, plan: SpanPlan, fds, dfds, mode: str) -> "_StartedSpans":
         failed = threading.Event()
-        spans = self._executor("_spans", self.threads, "expert-span")
-        return _StartedSpans(plan, [spans.submit(self._span, s, fds, dfds, mode, failed) for s in plan.spans])
+        return _StartedSpans(plan, [self._spans.submit(self._span, s, fds, dfds, mode, failed) for s in plan.spans])
 
     def run(self, plan: SpanPlan, fds, dfds, mode: str) -> tuple:
         if len(plan.spans) <= 1 or self.threads == 1:
@@ -100,17 +99,8 @@ class PythonPool:
         return self.start(plan, fds, dfds, mode).wait()
 
     def close(self, wait: bool = True) -> None:
-        for name in ("_spans", "_drops"):  # the drops after the spans, which queue them
-            executor = getattr(self, name)
-            if executor is not None:
-                executor.shutdown(wait=wait)
-
-    def _executor(self, name: str, threads: int, prefix: str) -> concurrent.futures.ThreadPoolExecutor:
-        if getattr(self, name) is None:
-            with self._executors_lock:
-                if getattr(self, name) is None:
-                    setattr(self, name, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=prefix))
-        return getattr(self, name)
+        self._spans.shutdown(wait=wait)
+        self._drops.shutdown(wait=wait)  # after the spans, which queue the drops
 
     def _span(self, s: _Span, fds, dfds, mode: str, failed: threading.Event) -> tuple:
         """Read one span, never raising: (syscalls, start, end, err), err None or the failure's
@@ -154,7 +144,7 @@ class PythonPool:
             a = s.offset // ALIGN * ALIGN
             b = -(-end // ALIGN) * ALIGN
             try:
-                self._executor("_drops", 1, "expert-drop").submit(_drop_pages, fd, a, b - a)
+                self._drops.submit(_drop_pages, fd, a, b - a)
             except RuntimeError:  # closing
                 _drop_pages(fd, a, b - a)
         return calls
