@@ -22,8 +22,8 @@ import threading
 import time
 
 from .errors import ReadError
-from .page_cache_bypass import MODE_CODE
 from .read_plan import ALIGN, SpanPlan, _Span, plan_spans
+from .shard_files import MODE_CODE
 
 try:
     from expert_stream.native import _reader as _native  # type: ignore

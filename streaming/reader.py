@@ -16,9 +16,9 @@
 - submit() starts the batch on the pool's threads and returns a StartedRead; the first thread
   that asks for its result collects it (waiting on the pool's threads directly), and close()
   collects the batches nobody asked for.
-- Page cache bypass (`cache_bypass`, page_cache_bypass.py); where the OS or filesystem refuses a
-  mode (O_DIRECT on tmpfs) the reader falls back and records what it uses in `.cache_bypass`
-  and why in `.cache_bypass_note` (shard_files.py).
+- Page cache bypass (`cache_bypass`: direct, fadvise, nocache, none, auto; shard_files.py);
+  where the OS or filesystem refuses a mode (O_DIRECT on tmpfs) the reader falls back and
+  records what it uses in `.cache_bypass` and why in `.cache_bypass_note`.
 - Errors: a missing file, a short read (truncated shard), EIO... raise `ReadError` naming the file,
   offset and length; a bad request (size mismatch, read-only destination) raises ValueError at
   once, also from submit(). With `identities`, a shard that changed since it was indexed fails
@@ -33,10 +33,9 @@ import threading
 from typing import Optional, Sequence
 
 from .errors import ReadError
-from .page_cache_bypass import MODES
 from .read_plan import ALIGN, MAX_SPAN, MIN_SPAN, ReadRequest, ReadResult, plan_spans, system_iov_max
 from .read_pools import _native, pool_type
-from .shard_files import ShardFiles
+from .shard_files import MODES, ShardFiles
 
 __all__ = ["ReadRequest", "ReadResult", "ExpertReader", "native_available", "plan_spans", "ALIGN"]
 
