@@ -34,6 +34,9 @@ def among(values: np.ndarray, members: np.ndarray, size: int) -> np.ndarray:
 
 @dataclass
 class LayerStats:
+    """One layer's counters. The cache counts its accesses and evictions; the layer's
+    ExpertStore counts reads, lookahead and path events (its `count_*` methods); others read."""
+
     calls: int = 0
     hits: int = 0  # expert-uses served from a slot (an expert counts once per call)
     misses: int = 0  # expert-uses that had to be read

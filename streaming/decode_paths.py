@@ -1,10 +1,14 @@
 """The ways a streamed layer computes one call; StreamedSwitch picks one path object per call.
+Each path holds the parts it uses: the layer's ExpertStore (slots, reads, pins, counters), its
+ExpertCompute (the stock block on the slot arrays, stock's kernel rule) and, where it reads
+outside the cache, the model's ScratchPool.
 
 - ResidentPath: every expert of the layer in a slot; stock's call on the device slot table.
 - ComputeFloor: benchmark only, every lookup made a hit (no reads) to time compute alone.
-- LayerByLayer: the call's routing comes to the host, its misses are read (hits computing
-  meanwhile), and the lookahead starts reading the next layer's guessed experts. A decode
-  token's misses the policy does not admit are read into a scratch buffer for that call only.
+- LayerByLayer: the call's routing comes to the host (`route`), its misses are read (hits
+  computing meanwhile), and the lookahead starts reading the next layer's guessed experts. A
+  decode token's misses the policy does not admit are read into a scratch buffer for that call
+  only.
 - LossySkip: skip_miss_below; a decode token's light misses are dropped instead of read.
 The prefill sweep (more experts than slots) is prefill_sweep.PrefillSweep.
 """
@@ -18,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import among
-from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
-from .prefill_sweep import with_arrays
+from .expert_calls import ExpertCompute, stitch, token_rows, unflatten_pairs
+from .expert_store import ExpertStore
 
 
 def stock_sorts(indices_size: int) -> bool:
@@ -36,11 +40,33 @@ class RoutedCall:
     needed: np.ndarray  # the distinct experts of the call
     sorts: bool  # whether stock sorts this call's pairs
     guess: Optional[mx.array] = None  # the lookahead's guess for the next layer
+    lookahead: object = None  # lookahead.Lookahead that made the guess
     kept: Optional[np.ndarray] = None  # LossySkip: positions of the token's experts to compute
 
     @property
     def single_token(self) -> bool:
         return self.ids.size == self.ids.shape[-1]
+
+    def issue_guess(self) -> None:
+        """Start the next layer's reads of the guess. Paths call it after their own reads
+        started, so that a guess is queued behind them and never delays a real miss."""
+        if self.guess is not None:
+            self.lookahead.issue(np.array(self.guess))
+
+
+def route(store: ExpertStore, lookahead, x: mx.array, indices: mx.array) -> RoutedCall:
+    """The layer's one sync point: its routing (and the lookahead's guess for the next layer,
+    evaluated with it) to the host."""
+    store.await_prefetch()
+    look = lookahead if indices.size == indices.shape[-1] else None
+    guess = look.guess(x) if look is not None else None
+    if guess is not None:
+        mx.eval(indices, guess)
+    ids = np.array(indices)
+    store.record(ids)
+    needed = np.unique(ids)
+    store.score_guess(needed)
+    return RoutedCall(ids, needed, stock_sorts(indices.size), guess, look)
 
 
 class ResidentPath:
@@ -49,14 +75,12 @@ class ResidentPath:
 
     name = "resident"
 
-    def __init__(self, layer):
-        self.layer = layer
+    def __init__(self, store: ExpertStore, compute: ExpertCompute):
+        self.store, self.compute = store, compute
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        store = self.layer.store
-        store.cache.stats.calls += 1
-        store.cache.stats.resident_calls += 1
-        return self.layer.inner(x, store.device_slots(indices))
+        self.store.count_resident_call()
+        return self.compute(x, self.store.device_slots(indices))
 
 
 class ComputeFloor:
@@ -65,11 +89,11 @@ class ComputeFloor:
 
     name = "compute_floor"
 
-    def __init__(self, layer):
-        self.layer = layer
+    def __init__(self, store: ExpertStore, compute: ExpertCompute):
+        self.store, self.compute = store, compute
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.layer.inner(x, mx.remainder(indices, self.layer.store.cache.num_slots))
+        return self.compute(x, mx.remainder(indices, self.store.cache.num_slots))
 
 
 class LayerByLayer:
@@ -77,76 +101,70 @@ class LayerByLayer:
 
     name = "layer_by_layer"
 
-    def __init__(self, layer, overlap: bool = True, lookahead=None):
-        self.layer = layer
+    def __init__(self, store: ExpertStore, compute: ExpertCompute, scratch=None, overlap: bool = True):
+        self.store, self.compute = store, compute
+        self.scratch = scratch  # prefill_sweep.ScratchPool for the misses the policy declines, or None
         self.overlap = overlap  # compute a decode token's hits while its misses are read
-        self.lookahead = lookahead  # lookahead.Lookahead into the next streamed layer, or None
-
-    def route(self, x: mx.array, indices: mx.array) -> RoutedCall:
-        """The layer's one sync point: its routing (and the lookahead's guess) to the host."""
-        store = self.layer.store
-        store.await_prefetch()
-        look = self.lookahead if indices.size == indices.shape[-1] else None
-        guess = look.guess(x) if look is not None else None
-        if guess is not None:
-            mx.eval(indices, guess)
-        ids = np.array(indices)
-        if store.recorder is not None:
-            store.recorder.add(store.position, ids)
-        needed = np.unique(ids)
-        store.score_guess(needed)
-        return RoutedCall(ids, needed, stock_sorts(indices.size), guess)
-
-    def issue_guess(self, call: RoutedCall) -> None:
-        """Start the next layer's reads; called after this layer's own reads started, so a
-        guess is queued behind them and never delays a real miss."""
-        if call.guess is not None:
-            self.lookahead.issue(np.array(call.guess))
 
     def __call__(self, x: mx.array, indices: mx.array, call: RoutedCall) -> mx.array:
-        store = self.layer.store
-        missing = store.cache.access(call.needed)
+        store = self.store
+        cache = store.cache
+        missing = cache.access(call.needed)
         passing = self._not_admitted(missing, call)
         if passing.size:
-            missing = missing[~among(missing, passing, store.cache.num_experts)]
+            missing = missing[~among(missing, passing, cache.num_experts)]
         reads = store.start_reads(missing, protected=call.needed) if missing.size else None
         passing_reads = self._read_passing(passing) if passing.size else None
-        self.issue_guess(call)
+        call.issue_guess()
         if passing_reads is not None:
             return self._in_parts(x, call.ids, missing, reads, passing, passing_reads)
         if reads is None:
-            return self.layer.whole(x, indices, call.ids)
+            return self._whole(x, indices, call.ids)
         if self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts:
-            store.cache.stats.overlap_calls += 1
+            store.count_overlap_call()
             return self._in_parts(x, call.ids, missing, reads)
         store.finish_reads(reads)
-        return self.layer.whole(x, indices, call.ids)
+        return self._whole(x, indices, call.ids)
+
+    def _whole(self, x, indices, ids):
+        """The stock call on the slots (every expert of `ids` resident), or, where the slot
+        tensors' smaller expert count would make the backend pick another kernel than stock's
+        (Metal), the same pairs in calls that pick stock's."""
+        store, compute = self.store, self.compute
+        sort = stock_sorts(indices.size)
+        plan = compute.row_plan(ids.size, store.cache.num_slots, sort)
+        if plan.whole(ids.size):
+            return compute(x, store.device_slots(indices))
+        flat = ids.reshape(-1)
+        pos = np.arange(flat.size)
+        ys, ps = compute.pairs(token_rows(x), pos, store.cache.slot_of[flat], ids.shape[-1], sort, plan)
+        return unflatten_pairs(stitch(ys, ps, axis=0), ids.shape)
 
     def _not_admitted(self, missing: np.ndarray, call: RoutedCall) -> np.ndarray:
         """A decode token's misses the policy declines to keep (read into scratch for this
         call only); none where there is no scratch or they would not fit one batch of it."""
-        scratch = self.layer.sweep.scratch
+        scratch = self.scratch
         if not missing.size or not call.single_token or call.sorts or scratch is None:
             return missing[:0]
-        cache = self.layer.store.cache
+        cache = self.store.cache
         passing = missing[~among(missing, cache.admitted(missing, protected=call.needed), cache.num_experts)]
         return passing if passing.size <= scratch.batch else passing[:0]
 
     def _read_passing(self, passing: np.ndarray):
-        store = self.layer.store
-        store.cache.stats.bypassed += int(passing.size)
-        buffer = self.layer.sweep.scratch.buffers(store.slots.tensors)[0]
+        store = self.store
+        store.count_bypassed(int(passing.size))
+        buffer = self.scratch.buffers(store.slots.tensors)[0]
         return store.read_into(buffer, passing, np.arange(passing.size, dtype=np.int32))
 
     def _in_parts(self, x, ids, missing, reads, passing=None, passing_reads=None):
         """One token computed in parts: its hits (while the reads run, with overlap), then the
         misses read into slots, then the declined ones from their scratch buffer."""
-        layer, store = self.layer, self.layer.store
+        store, compute = self.store, self.compute
         cache = store.cache
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         rows = token_rows(x)
-        plan = layer.row_plan(k, cache.num_slots, False)
+        plan = compute.row_plan(k, cache.num_slots, False)
         in_scratch = among(flat, passing, cache.num_experts) if passing is not None else np.zeros(flat.size, dtype=bool)
         read_now = among(flat, missing, cache.num_experts)
         hit_pos = np.flatnonzero(~in_scratch & ~read_now)
@@ -155,14 +173,14 @@ class LayerByLayer:
                 if pending_reads is not None:
                     store.finish_reads(pending_reads)
             reads = None
-        ys, ps = call_pairs(layer.inner, rows, hit_pos, cache.slot_of[flat[hit_pos]], k, False, plan)
+        ys, ps = compute.pairs(rows, hit_pos, cache.slot_of[flat[hit_pos]], k, False, plan)
         if ys:
             mx.async_eval(ys)
         if reads is not None:
             store.finish_reads(reads, pending=ys)
         if read_now.any():
             pos = np.flatnonzero(read_now)
-            y, p = call_pairs(layer.inner, rows, pos, cache.slot_of[flat[pos]], k, False, plan)
+            y, p = compute.pairs(rows, pos, cache.slot_of[flat[pos]], k, False, plan)
             ys, ps = ys + y, ps + p
         if passing_reads is not None:
             if self.overlap:
@@ -171,8 +189,8 @@ class LayerByLayer:
             local = np.full(cache.num_experts, -1, dtype=np.int32)
             local[passing] = np.arange(passing.size, dtype=np.int32)
             pos = np.flatnonzero(in_scratch)
-            y, p = call_pairs(with_arrays(layer.inner, buffer.arrays), rows, pos, local[flat[pos]], k, False,
-                              layer.row_plan(k, buffer.num_slots, False))
+            y, p = compute.pairs(rows, pos, local[flat[pos]], k, False, compute.row_plan(k, buffer.num_slots, False),
+                                 buffer)
             mx.eval(y)  # the scratch buffer is free for the next layer once this ran
             ys, ps = ys + y, ps + p
         return unflatten_pairs(stitch(ys, ps, axis=0), ids.shape)
@@ -184,35 +202,33 @@ class LossySkip:
 
     name = "lossy_skip"
 
-    def __init__(self, layer, skipper, layered: LayerByLayer):
-        self.layer = layer
+    def __init__(self, store: ExpertStore, compute: ExpertCompute, skipper):
+        self.store, self.compute = store, compute
         self.skipper = skipper  # lossy.MissSkipper
-        self.layered = layered  # whose lookahead this path still feeds
 
     def keep(self, x: mx.array, call: RoutedCall) -> Optional[np.ndarray]:
         """Positions of the token's experts to compute, or None when nothing is skipped."""
-        cache = self.layer.store.cache
-        absent = call.needed[~cache.resident(call.needed)]
+        absent = call.needed[~self.store.cache.resident(call.needed)]
         if absent.size == 0:
             return None
         skip = self.skipper.light(x, call.ids) & np.isin(call.ids.reshape(-1), absent)
         if not skip.any():
             return None
-        cache.stats.skipped_misses += int(skip.sum())
+        self.store.count_skipped(int(skip.sum()))
         return np.flatnonzero(~skip)
 
     def __call__(self, x: mx.array, indices: mx.array, call: RoutedCall) -> mx.array:
-        store = self.layer.store
+        store = self.store
         ids, kept = call.ids, call.kept
         k = ids.shape[-1]
         axis = ids.ndim - 1
         needed = np.unique(ids[..., kept])
         missing = store.cache.access(needed)
         reads = store.start_reads(missing, protected=needed) if missing.size else None
-        self.layered.issue_guess(call)
+        call.issue_guess()
         if reads is not None:
             store.finish_reads(reads)
-        y = self.layer.inner(x, store.slots_for(ids[..., kept]))
+        y = self.compute(x, store.slots_for(ids[..., kept]))
         dropped = np.setdiff1d(np.arange(k), kept)
         zeros = mx.zeros((*y.shape[:axis], dropped.size, *y.shape[axis + 1:]), dtype=y.dtype)
         return stitch([y, zeros], [kept, dropped], axis)

@@ -1,13 +1,59 @@
-"""Computing chosen (token, expert) pairs of one stock call with the stock projection layers, in
-calls shaped so that each takes the kernel stock's whole call takes (kernel_match.py)."""
+"""A streamed layer's compute part (ExpertCompute): the stock SwitchGLU / SwitchMLP computing
+from slot arrays, and chosen (token, expert) pairs of one stock call computed with its
+projection layers in calls shaped so that each takes the kernel stock's whole call takes
+(kernel_match.py)."""
 
 from __future__ import annotations
+
+import copy
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
+from . import kernel_match
 from .kernel_match import RowPlan
+
+
+class ExpertCompute:
+    """The stock block whose expert tensors are a layer's slot arrays, and the rule that shapes
+    calls on it (or on a scratch buffer) to take the kernel stock's call takes."""
+
+    def __init__(self, module: nn.Module, num_experts: int):
+        self.module = module  # the stock SwitchGLU / SwitchMLP; its expert tensors are slot arrays
+        self.num_experts = num_experts  # the checkpoint's: the expert count stock's kernel sees
+        self.backend = kernel_match.current_backend()
+        self.quantized = kernel_match.is_quantized(module)
+
+    def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
+        """Stock's call, with the experts' slot numbers for their ids."""
+        return self.module(x, slots)
+
+    def row_plan(self, stock_rows: int, array_experts: int, sorted_rows: bool) -> RowPlan:
+        """How to shape calls on a tensor of `array_experts` experts (slots, scratch) that
+        compute part of a stock call of `stock_rows` (token, expert) pairs."""
+        return kernel_match.plan_rows(self.backend, stock_rows, self.num_experts, array_experts, sorted_rows,
+                                      self.quantized)
+
+    def pairs(self, rows: mx.array, pos: np.ndarray, slots: np.ndarray, k: int, do_sort: bool, plan: RowPlan,
+              buffer=None) -> tuple[list[mx.array], list[np.ndarray]]:
+        """call_pairs on the slot arrays, or on a scratch `buffer` (ExpertSlots outside the cache)."""
+        module = self.module if buffer is None else with_arrays(self.module, buffer.arrays)
+        return call_pairs(module, rows, pos, slots, k, do_sort, plan)
+
+    def use(self, slots) -> None:
+        """Compute from these slot arrays (ExpertSlots) from now on: the online budget resized them."""
+        self.module.update(tree_unflatten(list(slots.arrays.items())))
+
+
+def with_arrays(inner: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A shallow copy of the block computing with other expert tensors (scratch buffers)."""
+    clone = copy.copy(inner)
+    for child in {leaf.split(".", 1)[0] for leaf in arrays}:
+        clone[child] = copy.copy(inner[child])
+    clone.update(tree_unflatten(list(arrays.items())))
+    return clone
 
 
 def expert_rows(module: nn.Module, x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:

@@ -5,7 +5,8 @@ A miss is handled here: `start_reads` reserves slots for the missing experts (`c
 and starts the reader; `finish_reads` waits, makes the bytes visible and only then lets the
 slots claim the experts (`cache.claim`); a failed read frees them (`cache.release`). `ensure`
 does both in one call. The store is the only writer of this state: the decode paths
-(decode_paths.py, prefill_sweep.py) call it.
+(decode_paths.py, prefill_sweep.py) call it, and count their events through its `count_*`
+methods (the cache counts its own accesses and evictions).
 """
 
 from __future__ import annotations
@@ -49,11 +50,43 @@ class ExpertStore:
         self._table_version = -1
 
     # -- pins ---------------------------------------------------------------------------------
+    def pin(self, outputs) -> None:
+        """Outputs computing from this layer's slots, not known to be evaluated: no read may
+        overwrite those slots before they are (`settle`)."""
+        self.pending.extend(outputs)
+
+    def unpin(self) -> None:
+        """The caller evaluated every pinned output."""
+        self.pending = []
+
     def settle(self) -> None:
         """Evaluate pending outputs of this layer: after this no graph reads its slots."""
         if self.pending:
             mx.eval(self.pending)
             self.pending = []
+
+    # -- counters (the cache's LayerStats; the cache counts its accesses and evictions) -------
+    def count_resident_call(self) -> None:
+        stats = self.cache.stats
+        stats.calls += 1
+        stats.resident_calls += 1
+
+    def count_overlap_call(self) -> None:
+        self.cache.stats.overlap_calls += 1
+
+    def count_sweep_call(self) -> None:
+        self.cache.stats.sweep_calls += 1
+
+    def count_bypassed(self, misses: int) -> None:
+        self.cache.stats.bypassed += misses
+
+    def count_skipped(self, misses: int) -> None:
+        self.cache.stats.skipped_misses += misses
+
+    def record(self, ids: np.ndarray) -> None:
+        """A call's routing, for the trace recorder while the handle records."""
+        if self.recorder is not None:
+            self.recorder.add(self.position, ids)
 
     # -- slots --------------------------------------------------------------------------------
     def on_device(self) -> bool:

@@ -67,8 +67,8 @@ class StreamHandle:
         for s in self.streams:
             s.cache.stats = LayerStats()
         for layer in self.layers:
-            if layer.layered.lookahead is not None:
-                layer.layered.lookahead.restart_windows()
+            if layer.lookahead is not None:
+                layer.lookahead.restart_windows()
 
     @contextmanager
     def compute_only(self):

@@ -248,7 +248,7 @@ def _link_lookahead(model, layers, spec, top_k, settings) -> None:
     for current, nxt in zip(layers, layers[1:]):
         probe = make_probe(model, current.store.name, nxt.store.name, top_k or 1, router_hook)
         if probe is not None:
-            current.layered.lookahead = Lookahead(probe, nxt.store, settings.prefetch_per_layer)
+            current.lookahead = Lookahead(probe, nxt.store, settings.prefetch_per_layer)
 
 
 def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):

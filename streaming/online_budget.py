@@ -11,8 +11,6 @@ the old ones.
 
 from __future__ import annotations
 
-from mlx.utils import tree_unflatten
-
 from .budget import REBALANCE_EVERY, rebalance
 
 
@@ -36,9 +34,9 @@ class OnlineBudget:
             return None
         return cls(streams, floor)
 
-    def apply(self, layer) -> None:
-        """Before `layer` (a StreamedSwitch) computes a call whose routing is on the host."""
-        stream = layer.store
+    def apply(self, stream, compute) -> None:
+        """Before a streamed layer (its ExpertStore and ExpertCompute) computes a call whose
+        routing is on the host."""
         if stream is self.streams[0] and stream.cache.step >= self._next:
             self._next = stream.cache.step + REBALANCE_EVERY
             caches = [s.cache for s in self.streams]
@@ -46,21 +44,20 @@ class OnlineBudget:
             self.target = {s: min(n, s.cache.num_experts) for s, n in zip(self.streams, new)}
         have, want = stream.cache.num_slots, self.target[stream]
         if want < have:
-            self._resize(layer, want)
+            self._resize(stream, compute, want)
             self.pool += have - want
         elif want > have and self.pool:
             grow = min(want - have, self.pool)
-            self._resize(layer, have + grow)
+            self._resize(stream, compute, have + grow)
             self.pool -= grow
 
-    def _resize(self, layer, slots: int) -> None:
-        stream = layer.store
+    def _resize(self, stream, compute, slots: int) -> None:
         stream.await_prefetch()  # its bytes land in the current arrays
         stream.reap()
         self.moves += abs(slots - stream.cache.num_slots)
         rows = stream.cache.resize(slots)
         stream.slots.resize(rows)
-        layer.inner.update(tree_unflatten(list(stream.slots.arrays.items())))
+        compute.use(stream.slots)
 
     def slots(self) -> list[int]:
         return [s.cache.num_slots for s in self.streams]

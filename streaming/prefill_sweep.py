@@ -17,14 +17,11 @@ stock sorts the whole call, in calls shaped to take the kernel stock's whole cal
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_unflatten
 
-from .expert_calls import call_pairs, stitch, token_rows, unflatten_pairs
+from .expert_calls import ExpertCompute, stitch, token_rows, unflatten_pairs
+from .expert_store import ExpertStore
 from .slots import ExpertSlots
 
 # Experts per scratch batch (two batches double-buffer). Bigger batches mean fewer kernel
@@ -32,17 +29,9 @@ from .slots import ExpertSlots
 SCRATCH_EXPERTS = 8
 
 
-def with_arrays(inner: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
-    """A shallow copy of the block computing with other expert tensors (scratch buffers)."""
-    clone = copy.copy(inner)
-    for child in {leaf.split(".", 1)[0] for leaf in arrays}:
-        clone[child] = copy.copy(inner[child])
-    clone.update(tree_unflatten(list(arrays.items())))
-    return clone
-
-
 class ScratchPool:
-    """Two scratch batches per distinct expert layout, shared by every layer of a model."""
+    """Two scratch batches per distinct expert layout, shared by every layer of a model (the
+    sweep's double buffer; LayerByLayer reads the misses the policy declines into the first)."""
 
     def __init__(self, write_mode: str, batch: int = SCRATCH_EXPERTS):
         self.write_mode = write_mode
@@ -65,15 +54,15 @@ class PrefillSweep:
 
     name = "prefill_sweep"
 
-    def __init__(self, layer, scratch: ScratchPool | None):
-        self.layer = layer
+    def __init__(self, store: ExpertStore, compute: ExpertCompute, scratch: ScratchPool | None):
+        self.store, self.compute = store, compute
         self.scratch = scratch  # shared by the model's layers
 
     def __call__(self, x: mx.array, indices: mx.array, call) -> mx.array:
-        layer, store = self.layer, self.layer.store
+        store, compute = self.store, self.compute
         cache = store.cache
         ids, needed, do_sort = call.ids, call.needed, call.sorts
-        cache.stats.sweep_calls += 1
+        store.count_sweep_call()
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         rows_of = token_rows(x)
@@ -86,11 +75,11 @@ class PrefillSweep:
         cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
         outputs, positions = [], []
 
-        def compute(module, experts, slot_of, array_experts):
+        def pairs(experts, slot_of, array_experts, buffer=None):
             """Pairs of `experts`, from a tensor of `array_experts` experts (slots or scratch)."""
             pos = np.flatnonzero(np.isin(flat, experts))
-            plan = layer.row_plan(flat.size, array_experts, do_sort)
-            ys, ps = call_pairs(module, rows_of, pos, slot_of(flat[pos]), k, do_sort, plan)
+            plan = compute.row_plan(flat.size, array_experts, do_sort)
+            ys, ps = compute.pairs(rows_of, pos, slot_of(flat[pos]), k, do_sort, plan, buffer)
             outputs.extend(ys)
             positions.extend(ps)
             return ys
@@ -99,9 +88,9 @@ class PrefillSweep:
             return cache.slot_of[experts]
 
         if resident.size:
-            y = compute(layer.inner, resident, from_cache, cache.num_slots)
+            y = pairs(resident, from_cache, cache.num_slots)
             mx.async_eval(y)
-            store.pending.extend(y)
+            store.pin(y)
 
         batch_size = self.scratch.batch
         buffers = self.scratch.buffers(store.slots.tensors) if cold.size else []
@@ -120,14 +109,14 @@ class PrefillSweep:
             buffer = buffers[j % 2]
             local = np.full(cache.num_experts, -1, dtype=np.int32)
             local[batch] = np.arange(batch.size, dtype=np.int32)
-            y = compute(with_arrays(layer.inner, buffer.arrays), batch, lambda e: local[e], buffer.num_slots)
+            y = pairs(batch, lambda e: local[e], buffer.num_slots, buffer)
             mx.async_eval(y)
             in_use[j % 2] = y
         if adopt_reads is not None:
             store.finish_reads(adopt_reads, pending=[y for ys in in_use if ys is not None for y in ys])
-            compute(layer.inner, adopt, from_cache, cache.num_slots)
+            pairs(adopt, from_cache, cache.num_slots)
         mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
-        store.pending = []
+        store.unpin()
         return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
 
 

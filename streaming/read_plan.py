@@ -12,7 +12,7 @@ MIN_SPAN = 1 << 20
 MAX_SPAN = 16 << 20
 
 
-def _iov_max() -> int:
+def system_iov_max() -> int:
     try:
         v = os.sysconf("SC_IOV_MAX")
     except (ValueError, OSError, AttributeError):
@@ -48,6 +48,23 @@ class _Span:
         self.dests = []  # memoryviews (uint8), in file order
 
 
+class SpanPlan(NamedTuple):
+    """A validated batch as spans; native/reader.c's Batch has the same `files`, `nspans`, `nbytes`
+    and `nrequests`, so that the reader treats both pools' plans alike."""
+
+    spans: List[_Span]
+    nbytes: int
+    nrequests: int
+
+    @property
+    def nspans(self) -> int:
+        return len(self.spans)
+
+    def files(self) -> List[int]:
+        """Sorted indices of the files the batch reads."""
+        return sorted({s.file for s in self.spans})
+
+
 def _span_cap(total: int, threads: int, max_span: int, min_span: int) -> int:
     cap = -(-total // threads) if total else 0
     cap = min(max(cap, min_span), max_span)
@@ -55,11 +72,10 @@ def _span_cap(total: int, threads: int, max_span: int, min_span: int) -> int:
 
 
 def plan_spans(requests, nfiles: int, threads: int, *, max_span: int = MAX_SPAN, min_span: int = MIN_SPAN,
-               iov_max: Optional[int] = None):
-    """Validate, sort and merge `requests` (the rule the native `plan` applies too).
-    Returns (spans, total_bytes, number_of_requests)."""
+               iov_max: Optional[int] = None) -> SpanPlan:
+    """Validate, sort and merge `requests` (the rule the native `plan` applies too)."""
     if iov_max is None:
-        iov_max = _iov_max()
+        iov_max = system_iov_max()
     iov_max = min(iov_max, 1024)
     items = []
     total = 0
@@ -106,4 +122,4 @@ def plan_spans(requests, nfiles: int, threads: int, *, max_span: int = MAX_SPAN,
             pos += take
             at += take
             rem -= take
-    return spans, total, len(items)
+    return SpanPlan(spans, total, len(items))

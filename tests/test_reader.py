@@ -4,6 +4,7 @@ mode the filesystem allows; merging; background submit; errors that name the fil
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import mmap
 import os
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from expert_stream import native
 from expert_stream.streaming.errors import ReadError
+from expert_stream.streaming.read_plan import system_iov_max
 from expert_stream.streaming.reader import ExpertReader, ReadRequest, plan_spans
 
 MiB = 1 << 20
@@ -156,16 +158,16 @@ def test_native_submit_reads_while_the_caller_holds_the_gil(shards):
     check(reqs, data)
 
 
-@pytest.mark.skipif(not native.available, reason=f"native reader not built: {native.import_error}")
-def test_native_submitted_batch_is_collected_by_whoever_asks(tmp_path):
-    """A started batch's future: result(timeout) that runs out raises and leaves the batch
-    collectable; two threads asking at once get the same result; close() collects the batches
-    nobody asked for, so their futures still hold their results afterwards."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_submitted_batch_is_collected_by_whoever_asks(tmp_path, backend):
+    """A started batch's future, on either pool: result(timeout) that runs out raises and leaves
+    the batch collectable; two threads asking at once get the same result; close() collects the
+    batches nobody asked for, so their futures still hold their results afterwards."""
     p = tmp_path / "big.bin"
     blob = np.random.default_rng(6).integers(0, 256, 96 * MiB, dtype=np.uint8)
     blob.tofile(p)
     data = [blob.tobytes()]
-    with ExpertReader([p], threads=1, cache_bypass="none", backend="native") as reader:
+    with ExpertReader([p], threads=1, cache_bypass="none", backend=backend) as reader:
         reqs = [ReadRequest(0, 1 + i * MiB, MiB - 3, np.empty(MiB - 3, np.uint8)) for i in range(96)]
         fut = reader.submit(reqs)
         with pytest.raises(concurrent.futures.TimeoutError):
@@ -218,7 +220,7 @@ def test_spans_are_cut_for_parallelism_and_iov_max(shards, backend):
         # 2500 adjacent 16-byte requests: at most IOV_MAX destinations per read
         tiny = [ReadRequest(0, 5 + 16 * i, 16, np.empty(16, np.uint8)) for i in range(2500)]
         res = reader.read(tiny)
-        assert res.spans == -(-2500 // reader.iov_max)
+        assert res.spans == -(-2500 // system_iov_max())
         check(tiny, data)
 
 
@@ -322,8 +324,6 @@ def test_direct_falls_back_where_refused(tmp_path, monkeypatch, backend, refused
         pytest.skip("no O_DIRECT on this OS (direct maps to the platform's own bypass)")
     import errno
 
-    from expert_stream.streaming import reader as reader_mod
-
     p = tmp_path / "d.bin"
     data = os.urandom(300_000)
     p.write_bytes(data)
@@ -338,25 +338,25 @@ def test_direct_falls_back_where_refused(tmp_path, monkeypatch, backend, refused
         if refused_at == "open":
             monkeypatch.setattr(os, "open", refusing_open)
         else:
-            run = reader._run_native if backend == "native" else reader._run_python
+            run = reader.pool.run
 
-            def refusing_run(plan, mode):
+            def refusing_run(plan, fds, dfds, mode):
                 if mode == "direct":
-                    raise reader_mod._SpanFailure(0, 12_345, 200_000, errno.EINVAL, 12_345)
-                return run(plan, mode)
+                    return 0, 1, (0, 12_345, 200_000, errno.EINVAL, 12_345), 0.0
+                return run(plan, fds, dfds, mode)
 
-            monkeypatch.setattr(reader, f"_run_{backend}", refusing_run)
+            monkeypatch.setattr(reader.pool, "run", refusing_run)
         reqs = [ReadRequest(0, 12_345, 200_000, np.empty(200_000, np.uint8))]
         reader.read(reqs)
         check(reqs, [data])
-        assert reader.cache_bypass_requested == "direct"
+        assert reader.shards.requested == "direct"
         assert reader.cache_bypass == "fadvise" and "O_DIRECT" in reader.cache_bypass_note
 
 
 @pytest.mark.parametrize("mode", ["none", "direct"])
 def test_python_path_without_preadv(shards, monkeypatch, mode):
     """Where os has no preadv (old macOS), the Python path reads one destination at a time."""
-    from expert_stream.streaming import python_spans as reader_mod
+    from expert_stream.streaming import read_pools as reader_mod
 
     monkeypatch.setattr(reader_mod, "_HAVE_PREADV", False)
     paths, data = shards
@@ -410,11 +410,59 @@ def test_closed_descriptor_raises_read_error(tmp_path, backend):
     p.write_bytes(b"z" * 5000)
     reader = ExpertReader([p], cache_bypass="fadvise", backend=backend)
     reader.read([ReadRequest(0, 0, 10, np.empty(10, np.uint8))])
-    os.close(reader._fds[0])  # simulate a descriptor closed under the reader
+    os.close(reader.shards.fds[0])  # simulate a descriptor closed under the reader
     try:
         with pytest.raises(ReadError, match="EBADF") as ei:
             reader.read([ReadRequest(0, 0, 10, np.empty(10, np.uint8))])
         assert str(p) in str(ei.value)
     finally:
-        reader._fds[0] = -1
+        reader.shards.fds[0] = -1
         reader.close()
+
+
+@pytest.mark.skipif(not native.available, reason=f"native reader not built: {native.import_error}")
+@pytest.mark.parametrize("mode", ["none", "fadvise", "direct"])
+def test_both_pools_give_the_same_bytes_and_failures(shards, tmp_path, mode):
+    """The seam ExpertReader stands on: for one plan, NativePool and PythonPool, started or run
+    on the calling thread, fill the same bytes and report the same failure (a file that ends
+    inside a span, a descriptor that cannot be read)."""
+    from expert_stream.streaming.read_pools import NativePool, PythonPool
+    from expert_stream.streaming.shard_files import ShardFiles
+
+    paths, data = shards
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[0][:10_000])
+    files = ShardFiles(list(paths) + [short, tmp_path], mode)
+    try:
+        files.open(range(len(paths) + 1))
+        mode = files.bypass  # direct falls back where the filesystem refuses it
+        files.fds[-1] = os.open(tmp_path, os.O_RDONLY)  # a directory: reads fail with EISDIR
+        if mode == "direct":
+            files.dfds[-1] = os.dup(files.fds[-1])
+        pools = [cls(len(files.paths), 4, 4 * MiB, 16 * MiB, MiB, 1024) for cls in (NativePool, PythonPool)]
+        rng = np.random.default_rng(zlib.crc32(mode.encode()))
+        base = random_requests(data, rng, n=80)
+        for failing in ([], [(len(paths), 9_000, 2_000)], [(len(paths) + 1, 0, 100)]):
+            outcomes = []
+            for pool in pools:
+                for how in ("start", "run"):
+                    reqs = make_dests(base + failing, np.random.default_rng(3))
+                    plan = pool.plan(reqs)
+                    if how == "start":
+                        nbytes, _, err, _ = pool.start(plan, files.fds, files.dfds, mode).wait(60)
+                    else:
+                        nbytes, _, err, _ = pool.run(plan, files.fds, files.dfds, mode)
+                    outcomes.append(err)
+                    if err is None:
+                        assert nbytes == sum(r.length for r in reqs)
+                        check(reqs, data)
+            assert len(set(outcomes)) == 1, outcomes  # the same err tuple (or None) from each
+            if failing:
+                f, off, ln = failing[0]
+                assert outcomes[0][0] == f and outcomes[0][3] == (0 if f == len(paths) else errno.EISDIR)
+            else:
+                assert outcomes[0] is None
+        for pool in pools:
+            pool.close()
+    finally:
+        files.close()

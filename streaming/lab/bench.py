@@ -385,7 +385,7 @@ def _lookahead_report(handle, replayed: bool = False) -> dict:
         st = s.cache.stats
         if st.guesses:
             per_layer[s.name] = round(st.guess_hits / st.guesses, 3)
-    lookaheads = [layer.layered.lookahead for layer in handle.layers]
+    lookaheads = [layer.lookahead for layer in handle.layers]
     guesses = sum(s.cache.stats.guesses for s in handle.streams)
     hits = sum(s.cache.stats.guess_hits for s in handle.streams)
     reads = sum(s.cache.stats.prefetch_reads for s in handle.streams)

@@ -22,7 +22,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..python_spans import _preadv
+from ..read_pools import _preadv
 from ..reader import ALIGN, ExpertReader, ReadRequest
 
 try:
