@@ -18,7 +18,7 @@ from mlx_lm.utils import load_model
 
 from expert_stream.streaming.footprint import checkpoint_footprint
 
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).resolve().parents[1]  # tests/: pipeline_worker.py
 LAYERS = 4  # two ranks: rank 0 runs layers 2-3, rank 1 layers 0-1 (mlx-lm gives rank 0 the last)
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,8 @@ def _launch(tmp_path, path_pattern, settings, port, prompt, chunk=8, decode_step
     args = {"path": path_pattern, "settings": settings, "prompt": prompt, "chunk": chunk,
             "decode_steps": decode_steps, "out": str(tmp_path / "logits-{rank}.npy")}
     cmd = [*_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring", "--starting-port",
-           str(port), "--python", sys.executable, str(HERE / "pipeline_worker.py"), json.dumps(args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE)
+           str(port), "--python", sys.executable, str(HELPERS / "pipeline_worker.py"), json.dumps(args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HELPERS)
 
 
 def _mlx_launch() -> list[str]:

@@ -15,7 +15,7 @@ from expert_stream.plugin.config import HostSchema
 from expert_stream.plugin.hosts.base import HostAdapter, HostError
 from plugin_fixtures import needs_openai_server, openai_server_installed
 
-PLUGIN = Path(__file__).resolve().parents[1] / "plugin"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugin"
 
 
 def test_every_registered_host_satisfies_the_protocol():

@@ -156,7 +156,7 @@ def test_file_watcher_debounces_and_ignores_nothing(tmp_path):
 def test_sample_configs_parse(openai_schema):
     from pathlib import Path
 
-    samples = Path(__file__).resolve().parents[1] / "sample_configs"
+    samples = Path(__file__).resolve().parents[2] / "sample_configs"
     config = load_host_config(samples / "mlx-openai-server.yaml", openai_schema, check_models=False)
     assert [e.streamed for e in config.entries] == [True, False]
     config = load_host_config(samples / "mlx_lm_server.yaml", MLX_LM_SERVER.schema(), check_models=False)

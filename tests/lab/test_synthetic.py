@@ -33,7 +33,7 @@ from expert_stream.streaming.lab.synthetic.errors import SyntheticError
 from expert_stream.streaming.lab.synthetic.presets_2026 import PRESETS_2026
 
 # The families of presets_2026.py are held to strict loading, their layout and exact streaming
-# in tests/test_families.py and tests/test_engine_exact.py; the long generations of this file
+# in tests/engine/test_families.py and tests/engine/test_engine_exact.py; the long generations of this file
 # stay on the first set of families (CI time).
 FIRST_ARCHS = [a for a in ARCHITECTURES if a not in {p.name for p in PRESETS_2026}]
 VLM_ARCHS = [a for a in FIRST_ARCHS if PRESETS[a].vlm is not None]
@@ -436,7 +436,7 @@ def test_writer_memory_stays_bounded(tmp_path):
     code = textwrap.dedent(f"""
         import json, sys
         import mlx.core as mx
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from rss_sampler import PeakRSS
         from expert_stream.streaming.lab.synthetic import estimate_size, layers_for_target, make_checkpoint
         kw = dict(experts=64, hidden=1024, moe_hidden=512, dtype="bfloat16", bits=4, shard_size_mb=100)

@@ -12,7 +12,7 @@ import pytest
 
 from expert_stream.streaming.traces import RoutingTrace, save_trace
 
-TOOL = Path(__file__).resolve().parent / "gpu" / "gpu_tool.py"
+TOOL = Path(__file__).resolve().parents[1] / "gpu" / "gpu_tool.py"
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exactness import assert_same_logits, prompt_ids
+from exactness import assert_same_logits, load_replayed_pair, prompt_ids
 from expert_stream.streaming.cache import ExpertCache
 from expert_stream.streaming.lab.policy_sim import simulate_layer
 from expert_stream.streaming.policy import make_policy
 from expert_stream.streaming.traces import RoutingTrace
-from test_replay import _replay_both
 
 
 def skewed_trace(num_experts: int, top_k: int, rows: int, layers: int = 2, seed: int = 3) -> RoutingTrace:
@@ -32,7 +31,7 @@ def skewed_trace(num_experts: int, top_k: int, rows: int, layers: int = 2, seed:
 def test_declined_misses_compute_from_scratch_bitwise(checkpoints, overlap):
     path = checkpoints("qwen3_moe", layers=2, experts=16, top_k=4)
     trace = skewed_trace(16, 4, rows=400)
-    stock, streamed, handle, _ = _replay_both(path, trace, row=0, slots=6, policy="default", overlap=overlap)
+    stock, streamed, handle, _ = load_replayed_pair(path, trace, row=0, slots=6, policy="default", overlap=overlap)
     assert_same_logits(stock, streamed, prompt_ids(24), decode_steps=40, chunk=8)
     totals = handle.stats()["totals"]
     assert totals["bypassed"] > 0, totals

@@ -2,7 +2,7 @@
 SwitchMLP experts, and each family found must have a synthetic preset (a new mlx-lm's family
 fails here by name). Per preset: the checkpoint's tensors are the model's parameters with
 stacked experts, and `expert-stream plan` (the footprint) counts the checkpoint's expert and
-trunk bytes exactly. Exact streaming of every preset is tests/test_engine_exact.py. A family
+trunk bytes exactly. Exact streaming of every preset is tests/engine/test_engine_exact.py. A family
 that cannot stream (dbrx) is refused in one sentence naming it. Prism's Hadamard packs
 (prism_hadamard_qwen35) are checked to be real packs as mlx-lm loads them, and to stream with
 their rotated router."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exactness import assert_same_logits, load_pair, prompt_ids
+from exactness import assert_same_logits, load_pair, load_replayed_pair, prompt_ids
 from expert_stream.streaming.footprint import checkpoint_footprint
 from expert_stream.streaming.lab.replay import ReplayError, install
 from expert_stream.streaming.traces import RoutingTrace, load_trace
@@ -26,16 +26,6 @@ def random_trace(num_experts: int, top_k: int, layers: int = 2, rows: int = 200,
     rng = np.random.default_rng(seed)
     ids = np.stack([[rng.permutation(num_experts)[:top_k] for _ in range(layers)] for _ in range(rows)])
     return RoutingTrace(ids=ids.astype(np.int16), num_experts=num_experts, name="random")
-
-
-def _replay_both(path, trace, row, **settings):
-    stock, streamed, handle = load_pair(path, **settings)
-    fp = checkpoint_footprint(path)
-    n = fp.num_experts[0]
-    replays = [install(m, trace, fp.model_type, n, fp.top_k) for m in (stock, streamed)]
-    for r in replays:
-        r.begin(row)
-    return stock, streamed, handle, replays[1]
 
 
 def _assert_engine_used_trace(handle, replay, trace):
@@ -54,7 +44,7 @@ def test_real_trace_stock_and_streamed_bitwise(checkpoints):
     slot row more than top-k: chunked prefill and decode bitwise equal, decode missing."""
     path = checkpoints("qwen3_moe", layers=3, experts=60, top_k=4)
     trace = load_trace(QWEN15)
-    stock, streamed, handle, replay = _replay_both(path, trace, row=1380, slots=5)
+    stock, streamed, handle, replay = load_replayed_pair(path, trace, row=1380, slots=5)
     assert_same_logits(stock, streamed, prompt_ids(40), decode_steps=10, chunk=16)
     assert handle.stats()["totals"]["misses"] > 0
     _assert_engine_used_trace(handle, replay, trace)
@@ -69,7 +59,7 @@ def test_families_stock_and_streamed_bitwise(checkpoints, arch):
     path = checkpoints(arch)
     fp = checkpoint_footprint(path)
     trace = random_trace(fp.num_experts[0], fp.top_k, layers=1)  # one column, cycled
-    stock, streamed, handle, replay = _replay_both(path, trace, row=7)
+    stock, streamed, handle, replay = load_replayed_pair(path, trace, row=7)
     assert_same_logits(stock, streamed, prompt_ids(24), decode_steps=6, chunk=10)
     _assert_engine_used_trace(handle, replay, trace)
     assert set(replay.columns) == {0}
@@ -81,7 +71,7 @@ def test_other_rows_give_other_logits(checkpoints):
 
     path = checkpoints("qwen3_moe", layers=2, experts=16, top_k=4)
     trace = random_trace(16, 4)
-    stock, streamed, handle, replay = _replay_both(path, trace, row=0)
+    stock, streamed, handle, replay = load_replayed_pair(path, trace, row=0)
     replay.begin(50)
     prompt = prompt_ids(12)
     a, b = stock(prompt), streamed(prompt)

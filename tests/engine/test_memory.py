@@ -43,7 +43,7 @@ def test_peak_rss_below_trunk_plus_budget(checkpoints):
     assert fp.expert_bytes > 900 * MB
     budget_gib = fp.min_budget_gib * 1.5
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), str(budget_gib), str(Path(__file__).parent)],
+        [sys.executable, "-c", CHILD, str(path), str(budget_gib), str(Path(__file__).resolve().parents[1])],
         capture_output=True, text=True, timeout=600, check=True,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
