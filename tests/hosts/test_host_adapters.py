@@ -73,7 +73,7 @@ def test_mlx_openai_server_start_up_check_names_the_missing_internal_and_version
     needs_openai_server()
     from app.core import handler_process
 
-    from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
     monkeypatch.delattr(handler_process.HandlerProcessProxy, "_call")
     version = MLX_OPENAI_SERVER.version()
@@ -88,10 +88,10 @@ def test_mlx_openai_server_start_up_check_names_the_missing_internal_and_version
 
 # The hosts' private attributes, and where each may be named.
 PRIVATE = {
-    "openai_server_compat.py": ("_pending", "_process", "_handlers", "_metadata", "_handler_worker",
-                                "_raise_remote_error", "_MODEL_TYPE_TO_HANDLER_TYPE", "_call"),
-    "mlx_lm_server_compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load",
-                                "_next_request", "load_default", "model_provider"),
+    "hosts/openai/compat.py": ("_pending", "_process", "_handlers", "_metadata", "_handler_worker",
+                               "_raise_remote_error", "_MODEL_TYPE_TO_HANDLER_TYPE", "_call"),
+    "hosts/mlx_lm_server_compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load",
+                                      "_next_request", "load_default", "model_provider"),
 }
 
 
@@ -103,6 +103,6 @@ def test_private_host_internals_are_touched_in_the_compat_modules_only():
                 continue
             for home, names in PRIVATE.items():
                 own = node.attr == "_load" and ast.unparse(node.value) in ("self", "self.reloader")  # Reloader._load
-                if path.name != home and node.attr in names and not own:
+                if path.relative_to(PLUGIN).as_posix() != home and node.attr in names and not own:
                     found.append(f"{path.relative_to(PLUGIN)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

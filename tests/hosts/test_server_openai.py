@@ -185,7 +185,7 @@ def test_bare_host_refuses_the_file(models, tmp_path):
     path = tmp_path / "host.yaml"
     # The host's own name for the served id (1.6: model_id, 1.7+: served_model_name), so the only
     # key it does not know is ours.
-    from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
     id_key = MLX_OPENAI_SERVER.internals().id_key
     path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]).replace("served_model_name", id_key))

@@ -125,7 +125,7 @@ def cases(models, schema):
 def schemas():
     found = [MLX_LM_SERVER.schema()]
     if openai_server_installed():  # else the mlx_lm.server schema alone
-        from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+        from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
         found.append(MLX_OPENAI_SERVER.schema())
     return found

@@ -22,7 +22,7 @@ def moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def schema():
     try:
-        from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+        from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
         return MLX_OPENAI_SERVER.schema()
     except Exception:
@@ -89,7 +89,7 @@ def test_plugin_options_out_of_range_are_refused_by_key(tmp_path, moe, schema, o
 ])
 def test_host_keys_are_checked_against_the_hosts_dataclass(tmp_path, moe, entry, message):
     needs_openai_server()
-    from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
     path = write(tmp_path, moe, entry=entry)
     with pytest.raises(ConfigError) as err:

@@ -24,7 +24,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def openai_schema():
     needs_openai_server()
-    from expert_stream.plugin.hosts.openai_server import MLX_OPENAI_SERVER
+    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
     return MLX_OPENAI_SERVER.schema()
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi import HTTPException  # noqa: E402
 
-from expert_stream.plugin.request_queue import WaitingHandler  # noqa: E402
+from expert_stream.plugin.hosts.openai.request_queue import WaitingHandler  # noqa: E402
 
 
 class Model:

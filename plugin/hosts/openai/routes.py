@@ -10,7 +10,7 @@ import signal
 from contextlib import asynccontextmanager
 
 from expert_stream.plugin.endpoint_guard import ControlGuard
-from expert_stream.plugin.hosts.openai_reloader import Reloader
+from expert_stream.plugin.hosts.openai.reloader import Reloader
 from expert_stream.plugin.redact import redact_errors
 
 STATUS_PATH = "/expert-stream/status"

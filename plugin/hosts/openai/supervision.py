@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from expert_stream.plugin.hosts.openai_server_compat import exit_code, fail_pending, process_alive
+from expert_stream.plugin.hosts.openai.compat import exit_code, fail_pending, process_alive
 
 log = logging.getLogger("expert_stream")
 

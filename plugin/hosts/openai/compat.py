@@ -85,10 +85,10 @@ def check(host: str, version: str) -> SimpleNamespace:
 
 # -- the patches (in the parent) -------------------------------------------------------------
 def install(internals, make_lifespan) -> None:
-    """Replace the child's entry function (openai_child), wrap the one function through which a
+    """Replace the child's entry function (child.py), wrap the one function through which a
     model process's error reaches the HTTP client, and replace the multi-model lifespan with
     `make_lifespan(multi_config)`."""
-    from expert_stream.plugin.hosts.openai_child import child_worker
+    from expert_stream.plugin.hosts.openai.child import child_worker
     from expert_stream.plugin.redact import redacting
 
     internals.handler_process._handler_worker = child_worker

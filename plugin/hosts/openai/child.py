@@ -12,7 +12,7 @@ KEY = "expert_stream"
 
 
 def child_worker(model_cfg_dict, queue_config, *rest):
-    from expert_stream.plugin.hosts.openai_server_compat import host_worker
+    from expert_stream.plugin.hosts.openai.compat import host_worker
 
     stream = queue_config.pop(KEY, None) if isinstance(queue_config, dict) else None
     original = host_worker()  # this process never patched it: the host's own

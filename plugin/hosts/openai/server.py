@@ -8,7 +8,7 @@ How it works (multi-model mode, the host's `--config`):
 - The host spawns one child process per model. The plugin replaces the host's lifespan with one
   that spawns the same children through the host's own HandlerProcessProxy, so the first load and
   every hot reload take one path, and replaces the child's entry function with
-  `openai_child.child_worker`: the entry's settings travel in the queue_config dict the proxy
+  `child.child_worker`: the entry's settings travel in the queue_config dict the proxy
   already sends to the child, and the child intercepts `mlx_lm.utils.load_model` for that one
   folder (interception.py). Dense and draft models load as they always do.
 - Every host internal used is checked before anything starts (`internals`); a host version whose
@@ -16,9 +16,10 @@ How it works (multi-model mode, the host's `--config`):
 - Routes added to the host's app: GET /expert-stream/status, POST /expert-stream/reload (both
   answer loopback clients only). SIGHUP and file changes (when `watch: true`) reload too.
 
-The rooms: openai_server_compat (every host internal and its check), openai_schema (the config
-schema and server flags), openai_routes (lifespan and control routes), openai_reloader (reload
-plans executed on model processes, draining), openai_child (the model process's entry).
+The rooms of this folder: compat (every host internal and its check), schema and schema_check
+(the config schema and server flags), routes (lifespan and control routes), reloader (reload
+plans executed on model processes, draining), supervision (model processes that die),
+request_queue (requests for a model that is loading), child (the model process's entry).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from typing import Optional
 
 from expert_stream.plugin import run_files
 from expert_stream.plugin.config import HostConfig, HostSchema, load_host_config
-from expert_stream.plugin.hosts import openai_server_compat as compat
+from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.base import installed_version
-from expert_stream.plugin.hosts.openai_routes import lifespan_factory
-from expert_stream.plugin.hosts.openai_schema import apply_server_flags, host_schema, split_server_flags
+from expert_stream.plugin.hosts.openai.routes import lifespan_factory
+from expert_stream.plugin.hosts.openai.schema import apply_server_flags, host_schema, split_server_flags
 from expert_stream.plugin.reload import ReloadRecord
 
 log = logging.getLogger("expert_stream")

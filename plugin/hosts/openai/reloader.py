@@ -15,14 +15,14 @@ import time
 from typing import TYPE_CHECKING
 
 from expert_stream.plugin.config import HostConfig, load_host_config
-from expert_stream.plugin.hosts import openai_server_compat as compat
-from expert_stream.plugin.hosts.openai_schema import apply_server_flags
+from expert_stream.plugin.hosts.openai import compat
+from expert_stream.plugin.hosts.openai.schema import apply_server_flags
 from expert_stream.plugin.reload import FileWatcher, ModelState, plan_reload, refuse_reload, unchanged_file
-from expert_stream.plugin.request_queue import WaitingHandler
-from expert_stream.plugin.supervision import ProcessSupervisor
+from expert_stream.plugin.hosts.openai.request_queue import WaitingHandler
+from expert_stream.plugin.hosts.openai.supervision import ProcessSupervisor
 
 if TYPE_CHECKING:
-    from expert_stream.plugin.hosts.openai_server import ServingState
+    from expert_stream.plugin.hosts.openai.server import ServingState
 
 log = logging.getLogger("expert_stream")
 

@@ -7,8 +7,8 @@ import argparse
 from typing import Optional
 
 from expert_stream.plugin.config import HostConfig, HostSchema
-from expert_stream.plugin.host_schema_check import dataclass_check, section_check
-from expert_stream.plugin.hosts.openai_server_compat import ONE_AT_A_TIME
+from expert_stream.plugin.hosts.openai.schema_check import dataclass_check, section_check
+from expert_stream.plugin.hosts.openai.compat import ONE_AT_A_TIME
 
 SERVER_FLAGS = {"--host": "host", "--port": "port", "--log-level": "log_level", "--log-file": "log_file"}
 # Host entry numbers that become timeouts and queue sizes in the model process.
@@ -17,7 +17,7 @@ ENTRY_BOUNDS = {"queue_timeout": (1, 30 * 86400), "queue_size": (1, 1 << 20), "m
 
 
 def host_schema(name: str, internals) -> HostSchema:
-    """The schema of the checked host (`openai_server_compat.check`'s result)."""
+    """The schema of the checked host (`compat.check`'s result)."""
     return HostSchema(
         name=name,
         version=internals.version,
