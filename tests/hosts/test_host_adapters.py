@@ -55,7 +55,7 @@ def test_an_object_missing_a_member_is_not_a_host_adapter():
 def test_mlx_lm_server_start_up_check_names_the_missing_internal_and_version(monkeypatch, tmp_path):
     import mlx_lm.server
 
-    from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+    from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 
     monkeypatch.delattr(mlx_lm.server.ModelProvider, "_load")
     monkeypatch.delattr(mlx_lm.server.ResponseGenerator, "generate")
@@ -90,8 +90,8 @@ def test_mlx_openai_server_start_up_check_names_the_missing_internal_and_version
 PRIVATE = {
     "hosts/openai/compat.py": ("_pending", "_process", "_handlers", "_metadata", "_handler_worker",
                                "_raise_remote_error", "_MODEL_TYPE_TO_HANDLER_TYPE", "_call"),
-    "hosts/mlx_lm_server_compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load",
-                                      "_next_request", "load_default", "model_provider"),
+    "hosts/mlx_lm/compat.py": ("_model_map", "_adapter_map", "model_key", "is_batchable", "_load",
+                               "_next_request", "load_default", "model_provider"),
 }
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from plugin_fixtures import make_dense
 
-from expert_stream.plugin.hosts import interception, pipeline_mode
+from expert_stream.plugin.hosts import interception
+from expert_stream.plugin.hosts.mlx_lm import pipeline_mode
 from expert_stream.streaming.footprint import checkpoint_footprint
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from expert_stream.plugin.config import ConfigError, HostConfig, load_host_config
-from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 from plugin_fixtures import make_dense, make_moe, openai_server_installed
 
 SEED = 1414

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from expert_stream.plugin.config import ConfigError, load_host_config
-from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 from plugin_fixtures import make_moe, needs_openai_server
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from expert_stream.plugin.config import ConfigError
-from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 from plugin_fixtures import make_moe
 
 HUB_ID = "mlx-community/Qwen3-30B-A3B-4bit"

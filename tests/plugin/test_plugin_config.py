@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from expert_stream.plugin.config import ConfigError, load_host_config
-from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 from expert_stream.plugin.reload import FileWatcher
 from plugin_fixtures import make_dense, make_moe, needs_openai_server
 

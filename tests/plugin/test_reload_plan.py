@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
-from expert_stream.plugin.hosts.mlx_lm_server import MLX_LM_SERVER
+from expert_stream.plugin.hosts.mlx_lm.server import MLX_LM_SERVER
 from expert_stream.plugin.reload import ReloadRecord, plan_reload
 
 GIB = 1 << 30

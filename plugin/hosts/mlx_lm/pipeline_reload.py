@@ -21,7 +21,7 @@ WAIT_S = 60.0  # a reload asked during a generation applies after it; the asker 
 class RankReload:
     def __init__(self, group, state):
         self.group = group
-        self.state = state  # mlx_lm_server.LmServerState of this rank
+        self.state = state  # reloader.LmServerState of this rank
         self._lock = threading.Lock()
         self._reasons: list[str] = []
         self._waiters: list[tuple[threading.Event, dict]] = []

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from expert_stream.plugin.config import HostConfig
-from expert_stream.plugin.hosts import mlx_lm_server_compat as compat
-from expert_stream.plugin.hosts.mlx_lm_routes import patch_handler
+from expert_stream.plugin.hosts.mlx_lm import compat
+from expert_stream.plugin.hosts.mlx_lm.routes import patch_handler
 from expert_stream.plugin.redact import redacting_calls
 from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
     unchanged_file

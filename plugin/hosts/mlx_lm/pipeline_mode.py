@@ -19,8 +19,8 @@ import logging
 from pathlib import Path
 
 from expert_stream.plugin.hosts import interception
-from expert_stream.plugin.hosts import mlx_lm_server_compat as compat
-from expert_stream.plugin.hosts.rank_stats import RankStats
+from expert_stream.plugin.hosts.mlx_lm import compat
+from expert_stream.plugin.hosts.mlx_lm.rank_stats import RankStats
 
 log = logging.getLogger("expert_stream")
 
@@ -49,7 +49,7 @@ class PipelineMode:
         import mlx_lm.utils
 
         from expert_stream.plugin.hosts.base import refuse
-        from expert_stream.plugin.hosts.pipeline_reload import RankReload
+        from expert_stream.plugin.hosts.mlx_lm.pipeline_reload import RankReload
 
         server = internals.server
         refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, compat.pipeline_problems(server))

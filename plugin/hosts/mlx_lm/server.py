@@ -17,8 +17,10 @@ reloaded inside `ModelProvider.load`, the point where mlx_lm.server itself swaps
 requests, on the generation thread. Streamed models are served one request at a time (the
 provider's `is_batchable` is cleared for them).
 
-The rooms: mlx_lm_server_compat (every host internal and its check), mlx_lm_reloader (the
-applied config, the provider patch's callbacks, reloads), mlx_lm_routes (the HTTP routes)."""
+The rooms of this folder: compat (every host internal and its check), reloader (the applied
+config, the provider patch's callbacks, reloads), routes (the HTTP routes), and for
+mlx_lm.server's pipeline mode pipeline_mode (one rank's load), pipeline_reload (reloads every
+rank agrees on) and rank_stats (every rank's counters on rank 0)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ from types import SimpleNamespace
 
 from expert_stream.plugin import run_files
 from expert_stream.plugin.config import ConfigError, HostConfig, HostSchema, load_host_config
-from expert_stream.plugin.hosts import mlx_lm_server_compat as compat
+from expert_stream.plugin.hosts.mlx_lm import compat
 from expert_stream.plugin.hosts.base import installed_version
-from expert_stream.plugin.hosts.mlx_lm_reloader import LmServerState
+from expert_stream.plugin.hosts.mlx_lm.reloader import LmServerState
 
 log = logging.getLogger("expert_stream")
 
@@ -68,7 +70,7 @@ class MlxLmServerHost:
         return config
 
     def serve(self, config_path: str, host_args: list[str]) -> int:
-        from expert_stream.plugin.hosts.pipeline_mode import PipelineMode, refuse_tensor_parallel
+        from expert_stream.plugin.hosts.mlx_lm.pipeline_mode import PipelineMode, refuse_tensor_parallel
 
         internals = self.internals()
         pipeline = PipelineMode.detect(host_args)  # each rank checks its own layers' shards when it loads
