@@ -39,7 +39,7 @@ def register(sub) -> None:
 
 
 def _typed(v: str):
-    from expert_stream.plugin.cli.speed_commands import parse_settings
+    from expert_stream.plugin.cli.lab.bench_command import parse_settings
 
     return parse_settings([f"x={v}"])["x"]
 

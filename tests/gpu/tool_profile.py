@@ -75,7 +75,7 @@ def main(args) -> int:
     import mlx.core as mx
 
     import expert_stream
-    from expert_stream.plugin.cli.speed_commands import parse_settings
+    from expert_stream.plugin.cli.lab.bench_command import parse_settings
 
     args.out.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(args, args.out)

@@ -112,7 +112,7 @@ def test_capacity_rule():
 
 def test_policy_eval_cli(tmp_path, capsys):
     import argparse
-    from expert_stream.plugin.cli import policy_command
+    from expert_stream.plugin.cli.lab import policy_command
 
     tr = _small_trace()
     path = save_trace(tmp_path / "t.npz", tr)

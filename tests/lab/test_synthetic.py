@@ -459,7 +459,7 @@ def test_writer_memory_stays_bounded(tmp_path):
 
 
 def _synth(argv, capsys):
-    from expert_stream.plugin.cli import synth_command
+    from expert_stream.plugin.cli.lab import synth_command
 
     parser = argparse.ArgumentParser()
     synth_command.register(parser.add_subparsers())

@@ -1,5 +1,5 @@
-"""`expert-stream bench` (speed and its bound, beside stock) and `expert-stream trace` (record
-routing on a text corpus, for warm start and per-layer budgets)."""
+"""`expert-stream bench`: decode and prefill speed against the disk+compute bound, beside stock
+mlx-lm; with --ranks, mlx-lm's pipeline mode beside one process (bench_ranks.py)."""
 
 from __future__ import annotations
 
@@ -37,16 +37,6 @@ def register(sub) -> None:
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--plot", default=None, metavar="OUT.png", help="plot tok/s and miss rate against budget")
     b.set_defaults(func=run_bench_command)
-
-    t = sub.add_parser("trace", help="record routing on a text corpus into a trace file")
-    t.add_argument("model_dir")
-    t.add_argument("--out", required=True, help="trace file to write (.npz, the shared trace format)")
-    t.add_argument("--budget-gib", type=float, required=True)
-    t.add_argument("--corpus", default=None, help="text file; documents separated by blank lines "
-                   "(default: the project's embedded English text)")
-    t.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated after each document")
-    t.add_argument("--max-docs", type=int, default=64)
-    t.set_defaults(func=run_trace_command)
 
 
 def parse_settings(pairs: list[str]) -> dict:
@@ -116,7 +106,7 @@ def run_bench_command(args) -> int:
 
 
 def _bench_ranks(args, settings) -> int:
-    from expert_stream.plugin.cli.bench_ranks import print_ranks, run_ranks
+    from expert_stream.plugin.cli.lab.bench_ranks import print_ranks, run_ranks
 
     if args.ranks < 2:
         raise SettingsError(f"--ranks {args.ranks}: a pipeline needs at least 2 ranks")
@@ -229,28 +219,3 @@ def plot_sweep(reports: list[dict], out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
-
-def run_trace_command(args) -> int:
-    from mlx_lm.generate import generate_step
-    from tqdm import tqdm
-
-    import expert_stream
-    from expert_stream.streaming.traces import save_trace
-
-    if args.corpus:
-        text = Path(args.corpus).read_text()
-    else:
-        from expert_stream.streaming.lab.synthetic.corpus import CORPUS as text
-    docs = [d.strip() for d in text.split("\n\n") if d.strip()][: args.max_docs]
-    model, tokenizer, handle = expert_stream.load(args.model_dir, budget_gib=args.budget_gib)
-    with handle.recording() as recorder:
-        for doc in tqdm(docs, desc="trace", file=sys.stderr):
-            prompt = __import__("mlx.core", fromlist=["array"]).array(tokenizer.encode(doc))
-            for _ in generate_step(prompt, model, max_tokens=args.gen_tokens):
-                pass
-            recorder.new_sequence()
-    trace = recorder.trace(name=Path(args.out).stem, meta={"model_dir": str(args.model_dir), "documents": len(docs)})
-    path = save_trace(args.out, trace)
-    handle.close()
-    print(f"{path}: {trace.num_tokens} tokens x {trace.num_layers} layers x top-{trace.top_k}")
-    return 0

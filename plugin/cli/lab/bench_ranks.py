@@ -13,7 +13,7 @@ import sys
 
 from expert_stream.streaming.errors import ExpertStreamError
 
-WORKER = "expert_stream.plugin.cli.bench_rank_worker"
+WORKER = "expert_stream.plugin.cli.lab.bench_rank_worker"
 
 
 def mlx_launch() -> list[str]:
