@@ -1,4 +1,4 @@
-"""tests/gpu/gpu_tool.py keeps working: its `bench` and `exact` subcommands end to end on a tiny
+"""streaming/lab/gpu/gpu_tool.py keeps working: its `bench` and `exact` subcommands end to end on a tiny
 checkpoint on this machine's backend (the figures mean nothing here; the tool's plumbing does)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from expert_stream.streaming.traces import RoutingTrace, save_trace
 
-TOOL = Path(__file__).resolve().parents[1] / "gpu" / "gpu_tool.py"
+TOOL = Path(__file__).resolve().parents[2] / "streaming" / "lab" / "gpu" / "gpu_tool.py"
 
 
 @pytest.fixture(scope="module")

@@ -39,32 +39,9 @@ def register(sub) -> None:
     b.set_defaults(func=run_bench_command)
 
 
-def parse_settings(pairs: list[str]) -> dict:
-    """KEY=VALUE strings -> typed settings (bool, int, float, None or string)."""
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SettingsError(f"--set {pair!r}: expected KEY=VALUE")
-        key, raw = pair.split("=", 1)
-        low = raw.lower()
-        if low in ("true", "false"):
-            value = low == "true"
-        elif low in ("none", "null"):
-            value = None
-        else:
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    value = float(raw)
-                except ValueError:
-                    value = raw
-        out[key.strip()] = value
-    return out
-
-
 def run_bench_command(args) -> int:
     from expert_stream.streaming.lab.bench import BenchConfig, run_bench
+    from expert_stream.streaming.lab.setting_values import parse_settings
 
     settings = parse_settings(args.set)
     if args.ranks is not None:

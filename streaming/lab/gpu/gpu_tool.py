@@ -1,6 +1,6 @@
-"""The GPU benchmark tool: `python tests/gpu/gpu_tool.py {bench,peers,exact,profile} --help`.
+"""The GPU benchmark tool: `python streaming/lab/gpu/gpu_tool.py {bench,peers,exact,profile} --help`.
 
-Each subcommand writes NAME.json and NAME.txt (a table) into its --out folder; tests/gpu/README.md
+Each subcommand writes NAME.json and NAME.txt (a table) into its --out folder; README.md beside it
 says what each one measures and how to run it on the lent H200."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# The subcommands' modules sit next to this file; tests/ holds exactness.py.
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+# Scripts run from a checkout, not a package: the subcommands' modules sit next to this file, and
+# the checkout's tests/ holds exactness.py (what `exact` compares with).
+sys.path[:0] = [str(HERE), str(HERE.parents[2] / "tests")]
 
 import tool_bench  # noqa: E402
 import tool_exact  # noqa: E402

@@ -75,12 +75,12 @@ def main(args) -> int:
     import mlx.core as mx
 
     import expert_stream
-    from expert_stream.plugin.cli.lab.bench_command import parse_settings
+    from expert_stream.streaming.lab.setting_values import parse_value
 
     args.out.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(args, args.out)
     budget = args.budget_gib if args.budget_gib is not None else budget_for_share(ck, args.share)[0]
-    settings = parse_settings([f"{k}={v}" for k, v in parse_pairs(args.set, "--set").items()])
+    settings = {k: parse_value(v) for k, v in parse_pairs(args.set, "--set").items()}
     run = Run(ck, args.trace, args.prompt_tokens)
 
     model, _, handle = expert_stream.load(ck, budget_gib=budget, **settings)

@@ -38,12 +38,6 @@ def register(sub) -> None:
     p.set_defaults(func=main)
 
 
-def _typed(v: str):
-    from expert_stream.plugin.cli.lab.bench_command import parse_settings
-
-    return parse_settings([f"x={v}"])["x"]
-
-
 def _slots(spec: str, ck: Path) -> int | None:
     from expert_stream.streaming.footprint import checkpoint_footprint
 
@@ -86,8 +80,9 @@ def main(args) -> int:
     from mlx_lm.utils import load_model
 
     from expert_stream.streaming.errors import ExpertStreamError
+    from expert_stream.streaming.lab.setting_values import parse_value
 
-    settings = {k: _typed(v) for k, v in parse_pairs(args.set, "--set").items()}
+    settings = {k: parse_value(v) for k, v in parse_pairs(args.set, "--set").items()}
     rows, failed = [], 0
     for ck in checkpoints(args):
         stock, _ = load_model(ck)

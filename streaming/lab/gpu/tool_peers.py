@@ -43,7 +43,7 @@ def register(sub) -> None:
                    help="bigrig's next-layer staging (BIGRIG_STAGE); boyle has none")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of every peer child")
     p.add_argument("--wheels-dir", default=str(HERE / "wheels"),
-                   help="the peers' wheels, used as zips when the peers are not installed (default tests/gpu/wheels)")
+                   help="the peers' wheels, used as zips when the peers are not installed (default streaming/lab/gpu/wheels)")
     p.add_argument("--bigrig-full-layers", default="auto",
                    help="auto (bigrig's own split of the same slot total into whole layers and the rest), off, or N")
     p.add_argument("--bigrig-io", choices=("mapped", "read", "nocache"), default="mapped",
