@@ -34,8 +34,8 @@ from types import SimpleNamespace
 
 from expert_stream.plugin import run_files
 from expert_stream.plugin.config import ConfigError, HostConfig, HostSchema, load_host_config
-from expert_stream.plugin.hosts.mlx_lm import compat
 from expert_stream.plugin.hosts.base import installed_version
+from expert_stream.plugin.hosts.mlx_lm import compat
 from expert_stream.plugin.hosts.mlx_lm.reloader import LmServerState
 
 log = logging.getLogger("expert_stream")

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from expert_stream.plugin.config import HostConfig, load_host_config
 from expert_stream.plugin.hosts.openai import compat
-from expert_stream.plugin.hosts.openai.schema import apply_server_flags
-from expert_stream.plugin.reload import FileWatcher, ModelState, plan_reload, refuse_reload, unchanged_file
 from expert_stream.plugin.hosts.openai.request_queue import WaitingHandler
+from expert_stream.plugin.hosts.openai.schema import apply_server_flags
 from expert_stream.plugin.hosts.openai.supervision import ProcessSupervisor
+from expert_stream.plugin.reload import FileWatcher, ModelState, plan_reload, refuse_reload, unchanged_file
 
 if TYPE_CHECKING:
     from expert_stream.plugin.hosts.openai.server import ServingState

@@ -7,8 +7,8 @@ import argparse
 from typing import Optional
 
 from expert_stream.plugin.config import HostConfig, HostSchema
-from expert_stream.plugin.hosts.openai.schema_check import dataclass_check, section_check
 from expert_stream.plugin.hosts.openai.compat import ONE_AT_A_TIME
+from expert_stream.plugin.hosts.openai.schema_check import dataclass_check, section_check
 
 SERVER_FLAGS = {"--host": "host", "--port": "port", "--log-level": "log_level", "--log-file": "log_file"}
 # Host entry numbers that become timeouts and queue sizes in the model process.
