@@ -84,11 +84,10 @@ def check(host: str, version: str) -> SimpleNamespace:
 
 
 # -- the patches (in the parent) -------------------------------------------------------------
-def install(internals, make_lifespan) -> None:
-    """Replace the child's entry function (child.py), wrap the one function through which a
-    model process's error reaches the HTTP client, and replace the multi-model lifespan with
-    `make_lifespan(multi_config)`."""
-    from expert_stream.plugin.hosts.openai.child import child_worker
+def install(internals, make_lifespan, child_worker) -> None:
+    """Replace the model process's entry function with `child_worker` (child.py), wrap the one
+    function through which a model process's error reaches the HTTP client, and replace the
+    multi-model lifespan with `make_lifespan(multi_config)`."""
     from expert_stream.plugin.redact import redacting
 
     internals.handler_process._handler_worker = child_worker

@@ -33,8 +33,9 @@ from typing import Optional
 
 from expert_stream.plugin import run_files
 from expert_stream.plugin.config import HostConfig, HostSchema, load_host_config
-from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.base import installed_version
+from expert_stream.plugin.hosts.openai import compat
+from expert_stream.plugin.hosts.openai.child import child_worker
 from expert_stream.plugin.hosts.openai.routes import lifespan_factory
 from expert_stream.plugin.hosts.openai.schema import apply_server_flags, host_schema, split_server_flags
 from expert_stream.plugin.reload import ReloadRecord
@@ -73,7 +74,7 @@ class OpenAIServerHost:
         workdir = Path(tempfile.mkdtemp(prefix="expert-stream-"))
         host_file = workdir / "host-config.yaml"
         host_file.write_text(config.host_yaml())
-        compat.install(internals, lifespan_factory(state))
+        compat.install(internals, lifespan_factory(state), child_worker)
         server = config.top_level.get("server") or {}
         run_files.write(run_files.local_url(server.get("host", "0.0.0.0"), int(server.get("port", 8000))),
                         config.path, self.name)
