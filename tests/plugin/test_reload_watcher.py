@@ -45,8 +45,8 @@ async def until(predicate, timeout=20.0):
 
 
 def test_watcher_survives_failed_reloads_and_applies_the_next_edit(tmp_path, caplog):
-    from expert_stream.plugin.hosts.openai.reloader import Reloader
-    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER, ServingState
+    from expert_stream.plugin.hosts.openai.reloader import Reloader, ServingState
+    from expert_stream.plugin.hosts.openai.server import MLX_OPENAI_SERVER
 
     moe, dense = make_moe(tmp_path), make_dense(tmp_path)
     path = tmp_path / "host.yaml"

@@ -12,21 +12,31 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from expert_stream.plugin.config import HostConfig, load_host_config
 from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.openai.request_queue import WaitingHandler
 from expert_stream.plugin.hosts.openai.schema import apply_server_flags
 from expert_stream.plugin.hosts.openai.supervision import ProcessSupervisor
-from expert_stream.plugin.reload import FileWatcher, ModelState, plan_reload, refuse_reload, unchanged_file
-
-if TYPE_CHECKING:
-    from expert_stream.plugin.hosts.openai.server import ServingState
+from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
+    unchanged_file
 
 log = logging.getLogger("expert_stream")
 
 STATS_TIMEOUT_S = 2.0  # a child busy generating answers the stats call after its request
+
+
+class ServingState:
+    """Everything the parent process knows while it serves: made before the host starts (server.py);
+    the Reloader replaces `config` with each config it applies."""
+
+    def __init__(self, host, internals, schema, config, server_flags):
+        self.host = host
+        self.internals = internals
+        self.schema = schema
+        self.config = config  # the applied config
+        self.server_flags = server_flags
+        self.record = ReloadRecord(str(config.path), host.name, internals.version)
 
 
 class Reloader:

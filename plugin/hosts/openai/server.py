@@ -37,8 +37,8 @@ from expert_stream.plugin.hosts.base import installed_version
 from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.openai.child import child_worker
 from expert_stream.plugin.hosts.openai.routes import lifespan_factory
+from expert_stream.plugin.hosts.openai.reloader import ServingState
 from expert_stream.plugin.hosts.openai.schema import apply_server_flags, host_schema, split_server_flags
-from expert_stream.plugin.reload import ReloadRecord
 
 log = logging.getLogger("expert_stream")
 
@@ -96,18 +96,6 @@ class OpenAIServerHost:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return 0
-
-
-class ServingState:
-    """Everything the parent process knows while it serves: set before the host starts."""
-
-    def __init__(self, host, internals, schema, config, server_flags):
-        self.host = host
-        self.internals = internals
-        self.schema = schema
-        self.config = config  # the applied config
-        self.server_flags = server_flags
-        self.record = ReloadRecord(str(config.path), host.name, internals.version)
 
 
 MLX_OPENAI_SERVER = OpenAIServerHost()
