@@ -50,7 +50,7 @@ class Reloader:
         self.proxies: dict = {}  # model_id -> HandlerProcessProxy of a routed, running model
         self.entries: dict = {}  # model_id -> the ModelEntry its process was started with
         self._holds: dict = {}  # model_id -> WaitingHandler routed while it is not there
-        self.supervisor = ProcessSupervisor(self)
+        self.supervisor = ProcessSupervisor(self.record, self.take_dead, self.hold, self.restart)
 
     # -- triggers ---------------------------------------------------------------------------
     def trigger(self, reason: str = "signal") -> None:
@@ -154,6 +154,23 @@ class Reloader:
         cut_off = await _drain(old, model_id, self.state.config.options.drain_timeout_s)
         await old.cleanup()
         return cut_off
+
+    def take_dead(self) -> dict:
+        """Take the routed model processes that died out of routing (the supervisor's call)."""
+        dead = {model_id: proxy for model_id, proxy in self.proxies.items() if not compat.process_alive(proxy)}
+        for model_id in dead:
+            del self.proxies[model_id]
+        return dead
+
+    async def restart(self, model_id: str):
+        """Start a model whose process died again (the supervisor's call): True when it runs,
+        False when it failed to start, None when its entry was removed or reloaded meanwhile."""
+        async with self.lock:
+            entry = self.entries.get(model_id)
+            if entry is None or model_id in self.proxies:
+                return None
+            await self._load(entry)
+            return model_id in self.proxies
 
     def hold(self, model_id: str):
         """Route the model's requests to a WaitingHandler until something else is routed."""

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from expert_stream.plugin.hosts.openai.compat import exit_code, fail_pending, process_alive
+from expert_stream.plugin.hosts.openai.compat import exit_code, fail_pending
 
 log = logging.getLogger("expert_stream")
 
@@ -24,10 +24,19 @@ RESTART_WINDOW_S = 600.0
 
 
 class ProcessSupervisor:
-    """Watches the processes a Reloader routed to; owns the restarts and their count."""
+    """Watches the model processes a Reloader routed to; owns the restarts and their count.
 
-    def __init__(self, reloader):
-        self.reloader = reloader
+    It is given what it uses: the status record, and three calls of the reloader that owns the
+    processes: `take_dead()` (the routed processes that died, taken out of routing: model_id ->
+    proxy), `hold(model_id)` (its requests wait on a WaitingHandler, returned) and
+    `restart(model_id)` (start it again: True when it runs, False when it failed to start, None
+    when the entry was removed or reloaded meanwhile)."""
+
+    def __init__(self, record, take_dead, hold, restart):
+        self.record = record
+        self.take_dead = take_dead
+        self.hold = hold
+        self.restart = restart
         self.deaths: dict[str, list[float]] = {}  # model_id -> times its process died
         self._restarting: dict[str, asyncio.Task] = {}
 
@@ -47,14 +56,13 @@ class ProcessSupervisor:
     def notice_deaths(self) -> list[str]:
         """The synchronous part (no await: nothing can route to the dead process meanwhile):
         take each dead process out of routing, fail its requests, schedule the restart."""
-        dead = [mid for mid, proxy in self.reloader.proxies.items() if not process_alive(proxy)]
-        for model_id in dead:
-            proxy = self.reloader.proxies.pop(model_id)
+        dead = self.take_dead()
+        for model_id, proxy in dead.items():
             code = exit_code(proxy)
             now = time.monotonic()
             times = [t for t in self.deaths.get(model_id, []) if now - t < RESTART_WINDOW_S] + [now]
             self.deaths[model_id] = times
-            state = self.reloader.record.models.get(model_id)
+            state = self.record.models.get(model_id)
             give_up = len(times) > MAX_RESTARTS
             why = f"its model process exited (exit code {code})"
             if give_up:
@@ -66,36 +74,35 @@ class ProcessSupervisor:
             if state:
                 state.state, state.error = ("error" if give_up else "restarting"), message
                 state.restarts = len(times) if not give_up else MAX_RESTARTS
-            self.reloader.hold(model_id).fail(message + "; send the request again shortly")
+            self.hold(model_id).fail(message + "; send the request again shortly")
             failed = fail_pending(proxy, f"model {model_id!r}: {message}; send the request again", "ModelProcessDied")
             if failed:
                 log.warning("expert-stream: %s: %d in-flight request(s) answered with an error", model_id, failed)
             if not give_up:
                 self._restarting[model_id] = asyncio.get_running_loop().create_task(self._restart(model_id, proxy))
-        return dead
+        return list(dead)
 
     async def _restart(self, model_id: str, dead_proxy) -> None:
         await dead_proxy.cleanup()
         fail_pending(dead_proxy, f"model {model_id!r}: its model process exited; send the request again",
                      "ModelProcessDied")  # any that reached it after the first sweep
         while True:
-            async with self.reloader.lock:
-                entry = self.reloader.entries.get(model_id)
-                if entry is None or model_id in self.reloader.proxies:
-                    return  # removed or reloaded meanwhile
-                await self.reloader._load(entry)
-                if model_id in self.reloader.proxies:
-                    log.info("expert-stream: %s: model process restarted", model_id)
-                    return
-                state = self.reloader.record.models.get(model_id)
-                error = state.error if state else "unknown error"
-                self.deaths[model_id].append(time.monotonic())
-                attempts = len(self.deaths[model_id])
-                if attempts > MAX_RESTARTS:
-                    self.reloader.hold(model_id).fail(f"could not be restarted ({attempts - 1} attempts): {error}")
-                    return
-                if state:
-                    state.state, state.restarts = "restarting", attempts
-                self.reloader.hold(model_id).fail(f"restarting it after a failed start (restart {attempts} of at "
-                                                  f"most {MAX_RESTARTS}): {error}")
+            # No await between restart() and the bookkeeping below: nothing else runs meanwhile.
+            started = await self.restart(model_id)
+            if started is None:
+                return  # removed or reloaded meanwhile
+            if started:
+                log.info("expert-stream: %s: model process restarted", model_id)
+                return
+            state = self.record.models.get(model_id)
+            error = state.error if state else "unknown error"
+            self.deaths[model_id].append(time.monotonic())
+            attempts = len(self.deaths[model_id])
+            if attempts > MAX_RESTARTS:
+                self.hold(model_id).fail(f"could not be restarted ({attempts - 1} attempts): {error}")
+                return
+            if state:
+                state.state, state.restarts = "restarting", attempts
+            self.hold(model_id).fail(f"restarting it after a failed start (restart {attempts} of at "
+                                     f"most {MAX_RESTARTS}): {error}")
             await asyncio.sleep(2.0)
