@@ -90,12 +90,7 @@ def run_openai_passthrough(args) -> int:
     host = _host("mlx-openai-server")
     if known.config and (not rest or rest[0] == "launch" or rest[0].startswith("-")):
         return host.serve(known.config, [a for a in rest if a != "launch"])
-    host.version()
-    from app.main import main as host_main
-
-    sys.argv = ["mlx-openai-server", *host_args]
-    host_main()
-    return 0
+    return host.run_cli(host_args)
 
 
 def run_mlx_lm_server(args) -> int:

@@ -12,7 +12,7 @@ KEY = "expert_stream"
 
 
 def child_worker(model_cfg_dict, queue_config, *rest):
-    from expert_stream.plugin.hosts.openai.compat import host_worker
+    from expert_stream.plugin.hosts.openai.compat import host_worker, serve_stats
 
     stream = queue_config.pop(KEY, None) if isinstance(queue_config, dict) else None
     original = host_worker()  # this process never patched it: the host's own
@@ -22,22 +22,9 @@ def child_worker(model_cfg_dict, queue_config, *rest):
 
     interception.install()
     interception.set_targets({stream["model_path"]: interception.Target(stream["model_id"], stream["settings"])})
-    _add_stats_method()
+    serve_stats(interception.stats)  # the parent's status endpoint asks for them
     try:
         return original(model_cfg_dict, queue_config, *rest)
     finally:
         interception.forget(stream["model_id"])
 
-
-async def _expert_stream_stats(self):
-    from expert_stream.plugin.hosts import interception
-
-    return interception.stats()
-
-
-def _add_stats_method():
-    """The parent's status endpoint asks the child for cache stats through the host's own RPC
-    (it calls a handler method by name)."""
-    from app.handler.mlx_lm import MLXLMHandler
-
-    MLXLMHandler.expert_stream_stats = _expert_stream_stats

@@ -17,6 +17,7 @@ from expert_stream.plugin.hosts.base import HostError, parameter_names, refuse, 
 # queue's concurrency, 1.8 replaced that with continuous batching, which it can switch off.
 ONE_AT_A_TIME = {"max_concurrency": 1, "disable_batching": True}
 READY_ID = "__ready__"  # the proxy's pending entry for its start-up handshake, not a request
+STATS_METHOD = "expert_stream_stats"  # the handler method a model process answers its cache stats by
 
 
 def check(host: str, version: str) -> SimpleNamespace:
@@ -25,6 +26,7 @@ def check(host: str, version: str) -> SimpleNamespace:
     try:
         import app.cli as cli
         import app.config as config
+        import app.handler.mlx_lm as handler_mlx_lm
         import app.models.mlx_lm as models_mlx_lm
         import app.server as server
         from app.core import handler_process
@@ -71,6 +73,8 @@ def check(host: str, version: str) -> SimpleNamespace:
          "ModelRegistry._handlers/_metadata/_lock are missing")
     for method in ("get_handler", "cleanup_all", "list_models"):
         need(hasattr(ModelRegistry, method), f"ModelRegistry.{method} is missing")
+    need(inspect.isclass(getattr(handler_mlx_lm, "MLXLMHandler", None)), "app.handler.mlx_lm.MLXLMHandler is missing")
+    need(hasattr(ModelRegistry, "has_model"), "ModelRegistry.has_model is missing")
     need(getattr(models_mlx_lm, "load", None) in (mlx_lm.utils.load, getattr(mlx_lm, "load", None)),
          "app.models.mlx_lm does not load through mlx_lm.utils.load")
     problems += interception.check()
@@ -79,7 +83,7 @@ def check(host: str, version: str) -> SimpleNamespace:
         version=version, cli=cli, launch=launch, ModelEntryConfig=entry_cls, entry_fields=fields,
         id_key=id_key, server=server, handler_process=handler_process, Proxy=proxy,
         proxy_id_param="served_model_name" if "served_model_name" in proxy_params else "model_id",
-        ModelRegistry=ModelRegistry,
+        ModelRegistry=ModelRegistry, ServerConfig=getattr(config, "MultiModelServerConfig", None),
     )
 
 
@@ -100,6 +104,36 @@ def host_worker():
     from app.core import handler_process
 
     return handler_process._handler_worker
+
+
+def serve_stats(stats) -> None:
+    """In a model process: the parent asks it for cache stats through the host's own RPC, which
+    calls a handler method by name; the host's handler gets that method, answering `stats()`."""
+    from app.handler.mlx_lm import MLXLMHandler
+
+    async def expert_stream_stats(self):
+        return stats()
+
+    setattr(MLXLMHandler, STATS_METHOD, expert_stream_stats)
+
+
+def run_host_cli(argv: list[str]) -> None:
+    """mlx-openai-server's own command line, unchanged."""
+    import sys
+
+    from app.main import main
+
+    sys.argv = ["mlx-openai-server", *argv]
+    main()
+
+
+# -- the app the host made (its lifespan's conventions) --------------------------------------
+def publish_registry(app, registry, default_model_id: str) -> None:
+    """What the host's own multi-model lifespan leaves on the app for its routes: the registry,
+    and the default model's handler (its routes' single-model fallback)."""
+    app.state.registry = registry
+    if registry.has_model(default_model_id):
+        app.state.handler = registry.get_handler(default_model_id)
 
 
 # -- the model registry's routing table ------------------------------------------------------
@@ -153,6 +187,6 @@ def exit_code(proxy):
     return getattr(proxy._process, "exitcode", None)
 
 
-async def call(proxy, method: str):
-    """Call a method of the model process's handler through the proxy's RPC."""
-    return await proxy._call(method)
+async def child_stats(proxy):
+    """A model process's cache stats (`serve_stats` there), through the proxy's RPC."""
+    return await proxy._call(STATS_METHOD)

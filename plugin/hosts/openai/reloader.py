@@ -268,7 +268,7 @@ class Reloader:
             if not model_state or not model_state.streamed or model_state.state != "ready":
                 continue
             try:
-                stats = await asyncio.wait_for(compat.call(proxy, "expert_stream_stats"), STATS_TIMEOUT_S)
+                stats = await asyncio.wait_for(compat.child_stats(proxy), STATS_TIMEOUT_S)
                 model_state.stats = stats.get(model_id)
             except Exception:
                 pass  # busy generating: report the last stats it gave

@@ -10,6 +10,7 @@ import signal
 from contextlib import asynccontextmanager
 
 from expert_stream.plugin.endpoint_guard import ControlGuard
+from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.openai.reloader import Reloader
 from expert_stream.plugin.redact import redact_errors
 
@@ -32,7 +33,6 @@ def _lifespan(state):
     @asynccontextmanager
     async def lifespan(app):
         registry = state.internals.ModelRegistry()
-        app.state.registry = registry
         reloader = Reloader(state, registry)
         app.state.expert_stream = reloader
         try:
@@ -40,9 +40,7 @@ def _lifespan(state):
         except Exception:
             await registry.cleanup_all()
             raise
-        first = state.config.entries[0].model_id
-        if registry.has_model(first):
-            app.state.handler = registry.get_handler(first)
+        compat.publish_registry(app, registry, state.config.entries[0].model_id)
         _add_routes(app, reloader)
         tasks = [asyncio.create_task(reloader.supervisor.run())]
         if state.config.options.watch:

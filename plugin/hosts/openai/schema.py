@@ -27,15 +27,9 @@ def host_schema(name: str, internals) -> HostSchema:
         forced_entry_values={k: v for k, v in ONE_AT_A_TIME.items() if k in internals.entry_fields},
         streamed_entry_check=_lm_only,
         entry_check=dataclass_check(internals.ModelEntryConfig, bounds=ENTRY_BOUNDS),
-        top_level_check=_server_section_check(),
+        top_level_check=section_check("server", internals.ServerConfig, skip=frozenset({"models"}),
+                                      bounds={"port": (0, 65535)}) if internals.ServerConfig else None,
     )
-
-
-def _server_section_check():
-    import app.config
-
-    cls = getattr(app.config, "MultiModelServerConfig", None)
-    return section_check("server", cls, skip=frozenset({"models"}), bounds={"port": (0, 65535)}) if cls else None
 
 
 def _lm_only(entry: dict) -> Optional[str]:

@@ -63,6 +63,13 @@ class OpenAIServerHost:
     def load_config(self, path, internals=None, **kw) -> HostConfig:
         return load_host_config(path, self.schema(internals), **kw)
 
+    def run_cli(self, host_args: list[str]) -> int:
+        """The host's own command line, unchanged (`expert-stream mlx-openai-server` without a
+        config to serve)."""
+        self.version()
+        compat.run_host_cli(host_args)
+        return 0
+
     def serve(self, config_path: str, host_args: list[str]) -> int:
         """Start the host on config_path with the plugin; returns the host's exit code."""
         internals = self.internals()
