@@ -106,3 +106,49 @@ def test_private_host_internals_are_touched_in_the_compat_modules_only():
                 if path.relative_to(PLUGIN).as_posix() != home and node.attr in names and not own:
                     found.append(f"{path.relative_to(PLUGIN)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+COMPAT = ("hosts/openai/compat.py", "hosts/mlx_lm/compat.py")
+
+
+def _host_module(name: str) -> bool:
+    return name == "app" or name.startswith("app.") or name == "mlx_lm.server" or name.startswith("mlx_lm.server.")
+
+
+def test_hosts_are_imported_and_patched_in_the_compat_modules_only():
+    """Outside a wing's compat module nothing imports the host's packages (mlx-openai-server's
+    `app`, `mlx_lm.server`), assigns to what the start-up check returned (`internals.X`, or a
+    name bound to it: a patched host class), or sets the host's lifespan conventions on its app
+    (`app.state.registry`, `app.state.handler`)."""
+    found = []
+    for path in sorted(PLUGIN.rglob("*.py")):
+        where = path.relative_to(PLUGIN).as_posix()
+        if where in COMPAT:
+            continue
+        tree = ast.parse(path.read_text())
+        from_internals = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                          and isinstance(node.value, ast.Attribute) and "internals" in ast.unparse(node.value)
+                          for target in node.targets if isinstance(target, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                hosts = [a.name for a in node.names if _host_module(a.name)]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                module = node.module or ""
+                hosts = [module] if _host_module(module) else \
+                    [f"{module}.{a.name}" for a in node.names if _host_module(f"{module}.{a.name}")]
+            else:
+                hosts = []
+            found += [f"{where}:{node.lineno}: imports {h}" for h in hosts]
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for attribute in (t for t in targets if isinstance(t, ast.Attribute)):
+                    root = attribute
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    text = ast.unparse(attribute)
+                    if "internals" in ast.unparse(attribute.value) or (isinstance(root, ast.Name)
+                                                                       and root.id in from_internals) \
+                            or text.endswith(("state.registry", "state.handler")):
+                        found.append(f"{where}:{node.lineno}: assigns {text}")
+    assert not found, found

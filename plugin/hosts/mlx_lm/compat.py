@@ -1,8 +1,9 @@
 """Every mlx_lm.server internal the adapter touches, and nowhere else: the start-up check of all
-of them (`check`), the patch of `ModelProvider` (its private `_load`), and the reads and writes of
-the provider's name maps, loaded-model key and batching flag. A mlx-lm whose internals differ is
-refused by `check` before anything starts, with a message naming the version and each internal
-that does not fit."""
+of them (`check`), the patches (`ModelProvider` and its private `_load`, the HTTP handler's
+methods, `ResponseGenerator.generate`, and in pipeline mode `sharded_load` and the request
+loop), and the reads and writes of the provider's name maps, loaded-model key and batching
+flag. A mlx-lm whose internals differ is refused by `check` before anything starts, with a
+message naming the version and each internal that does not fit."""
 
 from __future__ import annotations
 
@@ -69,6 +70,32 @@ def patch_provider(Provider, on_init, before_load, after_load) -> None:
     Provider.__init__, Provider.load, Provider._load = __init__, load, _load
 
 
+def wrap_generate(Generator, wrap) -> None:
+    """ResponseGenerator.generate becomes `wrap(generate)` (the plugin's errors reach clients as
+    text through it)."""
+    Generator.generate = wrap(Generator.generate)
+
+
+def patch_handler(Handler, on_get, on_post, on_options) -> None:
+    """APIHandler's do_GET, do_POST and do_OPTIONS first offer the request to `on_*(handler)`,
+    which answers it and returns True, or returns False: the host's own method answers."""
+    original_get, original_post, original_options = Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS
+
+    def do_GET(self):
+        if not on_get(self):
+            original_get(self)
+
+    def do_POST(self):
+        if not on_post(self):
+            original_post(self)
+
+    def do_OPTIONS(self):
+        if not on_options(self):
+            original_options(self)
+
+    Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS = do_GET, do_POST, do_OPTIONS
+
+
 def set_names(provider, removed, entries) -> None:
     """Drop the removed served names from the provider's name maps, and map each entry's name
     to its folder and adapter."""
@@ -126,6 +153,18 @@ def pipeline_problems(server) -> list[str]:
         if not callable(getattr(cls, attr, None)):
             problems.append(f"{cls.__name__}.{attr} is missing")
     return problems
+
+
+def replace_sharded_load(internals, wrap) -> bool:
+    """mlx_lm.server loads through `sharded_load`, imported into its own namespace from
+    mlx_lm.utils: both names become `wrap(sharded_load)`. False (nothing replaced) when this
+    mlx_lm.server has none."""
+    import mlx_lm.utils
+
+    if getattr(internals.server, "sharded_load", None) is None:
+        return False
+    mlx_lm.utils.sharded_load = internals.server.sharded_load = wrap(mlx_lm.utils.sharded_load)
+    return True
 
 
 def hook_request_loop(internals, first_load_failed, between_requests) -> None:

@@ -46,14 +46,11 @@ class PipelineMode:
 
     def install(self, internals, state) -> None:
         """Patch sharded_load (both names), the first load and the loop's request sharing."""
-        import mlx_lm.utils
-
         from expert_stream.plugin.hosts.base import refuse
         from expert_stream.plugin.hosts.mlx_lm.pipeline_reload import RankReload
 
-        server = internals.server
-        refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, compat.pipeline_problems(server))
-        mlx_lm.utils.sharded_load = server.sharded_load = _streaming_sharded_load(mlx_lm.utils.sharded_load)
+        refuse("mlx_lm.server (mlx-lm) pipeline mode", internals.version, compat.pipeline_problems(internals.server))
+        compat.replace_sharded_load(internals, _streaming_sharded_load)
         self.reloads = RankReload(self.group, state)
 
         def first_load_failed(exc):
@@ -79,11 +76,9 @@ def refuse_tensor_parallel(internals) -> None:
     load is refused (each rank would stream every layer, then `shard()` would split the slots);
     dense entries load through the stock sharded_load."""
     import mlx.core as mx
-    import mlx_lm.utils
 
-    if mx.distributed.init().size() == 1 or getattr(internals.server, "sharded_load", None) is None:
-        return
-    mlx_lm.utils.sharded_load = internals.server.sharded_load = _streaming_sharded_load(mlx_lm.utils.sharded_load)
+    if mx.distributed.init().size() > 1:
+        compat.replace_sharded_load(internals, _streaming_sharded_load)
 
 
 def _streaming_sharded_load(original):

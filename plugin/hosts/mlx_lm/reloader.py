@@ -66,8 +66,7 @@ class LmServerState:
         interception.install()
         interception.set_targets(self.targets())
         compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._loaded)
-        Generator = self.internals.ResponseGenerator
-        Generator.generate = redacting_calls(Generator.generate)  # errors reach clients as text
+        compat.wrap_generate(self.internals.ResponseGenerator, redacting_calls)  # errors reach clients as text
         patch_handler(self)
 
     def _provider_made(self, provider, cli_args) -> None:

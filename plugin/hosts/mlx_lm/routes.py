@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from expert_stream.plugin.endpoint_guard import refusal
+from expert_stream.plugin.hosts.mlx_lm import compat
 from expert_stream.plugin.redact import redact_errors
 
 STATUS_PATH = "/expert-stream/status"
@@ -15,10 +16,8 @@ MODELS_PATH = "/v1/models"
 
 
 def patch_handler(state) -> None:
-    """Answer the control routes and /v1/models in mlx_lm.server's APIHandler; everything else
-    goes to the host's own methods."""
-    Handler = state.internals.APIHandler
-    original_get, original_post = Handler.do_GET, Handler.do_POST
+    """Answer the control routes and /v1/models in mlx_lm.server's APIHandler (compat wraps its
+    methods); everything else goes to the host's own methods."""
 
     def reply(handler, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
@@ -37,27 +36,30 @@ def patch_handler(state) -> None:
             reply(handler, 403, {"error": f"{path} {why}"})
         return bool(why)
 
-    def do_GET(self):
-        route = self.path.split("?")[0]
+    def on_get(handler) -> bool:
+        route = handler.path.split("?")[0]
         if route == MODELS_PATH or route.startswith(MODELS_PATH + "/"):
             # The host lists models of the Hugging Face cache; what it serves is the config.
-            return reply(self, 200, state.models_list(route[len(MODELS_PATH) + 1:] or None))
-        if route == STATUS_PATH:
-            return refused(self, STATUS_PATH) or reply(self, 200, redact_errors(state.status()))
-        return original_get(self)
+            reply(handler, 200, state.models_list(route[len(MODELS_PATH) + 1:] or None))
+        elif route == STATUS_PATH:
+            if not refused(handler, STATUS_PATH):
+                reply(handler, 200, redact_errors(state.status()))
+        else:
+            return False
+        return True
 
-    def do_POST(self):
-        if self.path.split("?")[0] == RELOAD_PATH:
-            if refused(self, RELOAD_PATH):
-                return
+    def on_post(handler) -> bool:
+        if handler.path.split("?")[0] != RELOAD_PATH:
+            return False
+        if not refused(handler, RELOAD_PATH):
             result = state.reload("endpoint")
-            return reply(self, 200 if result["ok"] else 422, redact_errors(result))
-        return original_post(self)
+            reply(handler, 200 if result["ok"] else 422, redact_errors(result))
+        return True
 
-    def do_OPTIONS(self):  # no CORS preflight answer for the control endpoints
-        if self.path.split("?")[0] in (STATUS_PATH, RELOAD_PATH):
-            return reply(self, 403, {"error": "the control endpoints do not answer web pages"})
-        return original_options(self)
+    def on_options(handler) -> bool:  # no CORS preflight answer for the control endpoints
+        if handler.path.split("?")[0] not in (STATUS_PATH, RELOAD_PATH):
+            return False
+        reply(handler, 403, {"error": "the control endpoints do not answer web pages"})
+        return True
 
-    original_options = Handler.do_OPTIONS
-    Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS = do_GET, do_POST, do_OPTIONS
+    compat.patch_handler(state.internals.APIHandler, on_get, on_post, on_options)

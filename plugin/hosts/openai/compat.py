@@ -1,6 +1,8 @@
 """Every mlx-openai-server internal the adapter touches, and nowhere else: the start-up check of
-all of them (`check`), the three patches, and the reads and writes of private attributes
-(the model registry's routing table, a model process proxy's pending requests and process).
+all of them (`check`), the patches (in the parent the model process's entry, the remote-error
+path and the multi-model lifespan; in a model process the handler's stats method), what the
+host's lifespan leaves on its app, and the reads and writes of private attributes (the model
+registry's routing table, a model process proxy's pending requests, process and RPC).
 A host version whose internals differ is refused by `check` before anything starts, with a
 message naming the version and each internal that does not fit."""
 
