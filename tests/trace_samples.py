@@ -3,6 +3,7 @@ optional field, and the routing traces of the shared workspace (skipped where ab
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,10 @@ import pytest
 
 from expert_stream.streaming.traces import RoutingTrace, load_trace
 
-SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "moe_traces"
+# The shared traces sit next to the repository; EXPERT_STREAM_TRACES points elsewhere (worktrees),
+# as for tests/lab/test_replay.py.
+SHARED_TRACES = Path(os.environ.get("EXPERT_STREAM_TRACES",
+                                    Path(__file__).resolve().parents[1] / ".." / "shared" / "moe_traces"))
 
 
 def random_rows(rng, T, E, K, skew=1.2):
