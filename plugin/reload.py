@@ -8,10 +8,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from expert_stream.plugin.config import HostConfig, ModelEntry
+from expert_stream.plugin.config import ConfigError, HostConfig, ModelEntry, room_for_both
 
 
 class FileWatcher:
@@ -53,8 +52,8 @@ class ReloadPlan:
     old one (`room_for_both`): a host that runs a process per model loads those before it
     unloads the old one; otherwise the old one goes first."""
 
-    old: Optional["HostConfig"]
-    new: "HostConfig"
+    old: Optional[HostConfig]
+    new: HostConfig
     removed: tuple = ()
     changed: tuple = ()
     added: tuple = ()
@@ -62,13 +61,13 @@ class ReloadPlan:
     beside: frozenset = frozenset()
 
     @property
-    def unload(self) -> list["ModelEntry"]:
+    def unload(self) -> list[ModelEntry]:
         """The entries of the old config whose models stop serving: removed, then changed."""
         before = self.old.by_id() if self.old else {}
         return [before[i] for i in self.removed + self.changed]
 
     @property
-    def load(self) -> list["ModelEntry"]:
+    def load(self) -> list[ModelEntry]:
         """The entries of the new config whose models start: changed, then added."""
         after = self.new.by_id()
         return [after[i] for i in self.changed + self.added]
@@ -82,11 +81,9 @@ class ReloadPlan:
         return {"removed": list(self.removed), "changed": list(self.changed), "added": list(self.added)}
 
 
-def plan_reload(old: Optional["HostConfig"], new: "HostConfig", memory_bytes: Optional[int] = None) -> ReloadPlan:
+def plan_reload(old: Optional[HostConfig], new: HostConfig, memory_bytes: Optional[int] = None) -> ReloadPlan:
     """The one reload planner both hosts execute; `old` is None at start (everything is added).
     An entry changes when anything its model depends on does (`ModelEntry.fingerprint`)."""
-    from expert_stream.plugin.config import room_for_both
-
     before = old.by_id() if old else {}
     after = new.by_id()
     changed = tuple(i for i in after if i in before and before[i].fingerprint != after[i].fingerprint)
@@ -162,7 +159,7 @@ def file_hash(path: Path) -> Optional[str]:
         return None
 
 
-def unchanged_file(record: "ReloadRecord", applied: "HostConfig", new: "HostConfig") -> Optional[dict]:
+def unchanged_file(record: "ReloadRecord", applied: HostConfig, new: HostConfig) -> Optional[dict]:
     """The answer to a reload whose file is the applied one again (a touch, or an edit undone
     after a refused one), or None when there is something to apply."""
     if new.text_hash != applied.text_hash:
@@ -178,7 +175,6 @@ def refuse_reload(record: "ReloadRecord", path: Path, reason: str, exc: Exceptio
     import logging
 
     from expert_stream.plugin import plugins
-    from expert_stream.plugin.config import ConfigError
 
     text_hash = file_hash(path)
     if text_hash == record.failed_hash and reason == "file changed":

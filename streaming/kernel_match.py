@@ -8,8 +8,8 @@ backends choose their kernel by shape. Different kernels add in different orders
 change even though each row's arithmetic is "the same":
 
 - CUDA (MLX 0.32): fewer than 8 rows run a vector kernel, 8 or more the tiled matmul
-  (tests/gpu/probe_rows.py: rows computed alone differ from the same rows in a 128-row call
-  below 8 rows and match from 8 rows; padded to 8 they match).
+  (`git show d62b5b5:tests/gpu/probe_rows.py`: rows computed alone differ from the same rows in
+  a 128-row call below 8 rows and match from 8 rows; padded to 8 they match).
 - Metal: a sorted call with at least 16 rows and at least 4 rows per expert of the weight array
   runs the batched `gather_qmm_rhs` kernel, anything else the vector kernel (MLX's
   GatherQMM::eval_gpu). "Experts" is the weight array's leading dimension: the slot count for

@@ -13,7 +13,7 @@ Four ways to fill a slot; MLX arrays are made and evaluated on the compute threa
 - cuda: page-locked host buffers, then a CUDA driver copy into the slot rows, which stay on the
   GPU (streaming/cuda_copy.py): a staged write moves the slot's pages to the host and back,
   about 25 times slower per expert on an H200. The default on CUDA; bitwise exact there
-  (tests/gpu/exact_gpu.py), as staged is. (The mismatches an earlier check found came from
+  (`streaming/lab/gpu/gpu_tool.py exact`), as staged is. (The mismatches an earlier check found came from
   calls with fewer rows than stock's taking another kernel, with either write: kernel_match.py.)
 - copy: staging buffers, then an MLX scatter into the slot arrays (portable fallback).
 """

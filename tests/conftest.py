@@ -1,4 +1,10 @@
-"""Shared fixtures: synthetic checkpoints made once per test session (real files on disk)."""
+"""Shared fixtures: synthetic checkpoints made once per test session (real files on disk).
+
+The tests are grouped by what they exercise: engine/ (the runtime engine: `pytest tests/engine`
+runs it alone), plugin/ (config, reload, hooks, CLI), hosts/ (real host processes, pipeline
+ranks), lab/ (benchmarks, replay, simulation, synthetic checkpoints, the GPU tool). The helpers
+beside this file (exactness.py, plugin_fixtures.py, ...) are importable from every group: pytest
+puts this folder on sys.path when it loads this conftest."""
 
 from __future__ import annotations
 

@@ -24,6 +24,19 @@ def load_pair(path: Path, slots: int | None = None, **settings):
     return stock, streamed, handle
 
 
+
+def load_replayed_pair(path: Path, trace, row: int, **settings):
+    """`load_pair`, with every MoE layer of both models routing as `trace` says from `row` on
+    (streaming/lab/replay.py). Returns (stock, streamed, handle, the streamed model's replay)."""
+    from expert_stream.streaming.lab.replay import install
+
+    stock, streamed, handle = load_pair(path, **settings)
+    fp = checkpoint_footprint(path)
+    replays = [install(m, trace, fp.model_type, fp.num_experts[0], fp.top_k) for m in (stock, streamed)]
+    for replay in replays:
+        replay.begin(row)
+    return stock, streamed, handle, replays[1]
+
 def prompt_ids(n: int, vocab: int = 500, seed: int = 0) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(3, vocab, (1, n)), dtype=mx.int32)
 

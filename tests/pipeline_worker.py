@@ -1,4 +1,4 @@
-"""One rank of a pipeline run (started by mlx.launch from tests/test_pipeline.py): load the model
+"""One rank of a pipeline run (started by mlx.launch from tests/hosts/test_pipeline.py): load the model
 streamed with this rank's layers, prefill and decode greedily, save the logits (rank 0)."""
 
 import json

@@ -1,5 +1,6 @@
 """The layers of the code: the runtime engine (streaming/) imports neither the lab
-(streaming/lab/) nor the plugin (plugin/); the lab may import the runtime, never the plugin."""
+(streaming/lab/) nor the plugin (plugin/); the lab may import the runtime, never the plugin; the
+user's side of the plugin takes only the lab's public names, and none of the lab's commands."""
 
 import ast
 from pathlib import Path
@@ -39,4 +40,14 @@ def test_runtime_imports_neither_lab_nor_plugin(path):
 @pytest.mark.parametrize("path", files("streaming/lab"), ids=lambda p: str(p.relative_to(ROOT / "streaming/lab")))
 def test_lab_does_not_import_the_plugin(path):
     bad = sorted(m for m in imported_modules(path) if m.startswith("expert_stream.plugin"))
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", files("plugin", exclude="plugin/cli/lab"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_code_takes_only_public_lab_names(path):
+    """What the user's commands need of the lab is a public function of it, and the lab's
+    commands (plugin/cli/lab/) are not a library for them."""
+    bad = sorted(m for m in imported_modules(path)
+                 if m.startswith("expert_stream.plugin.cli.lab")
+                 or m.startswith("expert_stream.streaming.lab") and any(p.startswith("_") for p in m.split(".")))
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

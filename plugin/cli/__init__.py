@@ -1,5 +1,6 @@
 """The `expert-stream` command. Each command group lives in its own module with a `register`
-function that adds its subcommands; this file only assembles them."""
+function that adds its subcommands; this file only assembles them: the user's commands from
+this folder, the lab's (bench, synth, policy-eval) from lab/."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import sys
 
 from expert_stream.streaming.errors import ExpertStreamError
 
-# Modules contributing subcommands, in the order `--help` lists them.
+# Modules contributing subcommands, in the order `--help` lists them. The lab's commands (lab/)
+# exist for measuring and development; the others are the user's.
 COMMAND_MODULES = [
-    "expert_stream.plugin.cli.engine_commands",   # generate
-    "expert_stream.plugin.cli.synth_command",     # synth
-    "expert_stream.plugin.cli.server_commands",   # serve, mlx-lm-server, demo, plan, status
-    "expert_stream.plugin.cli.speed_commands",    # bench, trace
-    "expert_stream.plugin.cli.policy_command",    # policy-eval
+    "expert_stream.plugin.cli.engine_commands",      # generate
+    "expert_stream.plugin.cli.lab.synth_command",    # synth
+    "expert_stream.plugin.cli.server_commands",      # serve, mlx-lm-server, demo, plan, status
+    "expert_stream.plugin.cli.lab.bench_command",    # bench
+    "expert_stream.plugin.cli.trace_command",        # trace
+    "expert_stream.plugin.cli.lab.policy_command",   # policy-eval
 ]
 
 

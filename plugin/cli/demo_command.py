@@ -137,7 +137,7 @@ def run_demo(args) -> int:
 def cache_totals(base: str, model: str, within_s: float = 30.0) -> dict:
     """The model's cache totals from the status endpoint; a process still finishing its request
     answers the stats call late (status then gives none), so ask again for a while."""
-    from expert_stream.plugin.cli.server_commands import fetch_json
+    from expert_stream.plugin.cli.server_client import fetch_json
 
     deadline = time.monotonic() + within_s
     while True:

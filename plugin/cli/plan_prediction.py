@@ -30,7 +30,7 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remo
     from mlx_lm.generate import generate_step
 
     import expert_stream
-    from expert_stream.streaming.lab.bench import _vocab
+    from expert_stream.streaming.lab.bench import vocab_size
 
     model, _, handle = expert_stream.load(model_dir, budget_gib=budget_gib, prefetch=False,
                                           trust_remote_code=trust_remote_code)
@@ -38,7 +38,7 @@ def measure_compute(model_dir: Path, budget_gib: float, forced: bool, trust_remo
         for layer in handle.layers:
             layer.time_compute_only(forced)
         rng = np.random.default_rng(0)
-        prompt = mx.array(rng.integers(3, _vocab(model) - 1, COMPUTE_PROMPT_TOKENS), dtype=mx.int32)
+        prompt = mx.array(rng.integers(3, vocab_size(model) - 1, COMPUTE_PROMPT_TOKENS), dtype=mx.int32)
         for _ in generate_step(prompt[::-1], model, max_tokens=2):
             pass
         # The median step: on a shared machine a few steps take twice as long as the rest.

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 
+from expert_stream.plugin.cli.server_client import fetch_json, server_url
 from expert_stream.streaming.errors import ExpertStreamError
 
 
@@ -91,48 +90,11 @@ def run_openai_passthrough(args) -> int:
     host = _host("mlx-openai-server")
     if known.config and (not rest or rest[0] == "launch" or rest[0].startswith("-")):
         return host.serve(known.config, [a for a in rest if a != "launch"])
-    host.version()
-    from app.main import main as host_main
-
-    sys.argv = ["mlx-openai-server", *host_args]
-    host_main()
-    return 0
+    return host.run_cli(host_args)
 
 
 def run_mlx_lm_server(args) -> int:
     return _host("mlx_lm.server").serve(args.config, _strip_dashes(args.host_args))
-
-
-def fetch_json(url: str, method: str = "GET", timeout: float = 30.0) -> dict:
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return json.loads(exc.read())
-        except ValueError:
-            raise ExpertStreamError(f"{url}: HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ExpertStreamError(f"{url}: no answer ({getattr(exc, 'reason', exc)}); is the server running "
-                                "through `expert-stream serve` / `mlx-lm-server`?") from None
-
-
-def server_url(url, config) -> str:
-    """--url, else the one running server (serving --config, if given) that left a run file."""
-    if url:
-        return url.rstrip("/")
-    from expert_stream.plugin import run_files
-
-    found = run_files.running(config)
-    which = f" serving {config}" if config else ""
-    if not found:
-        raise ExpertStreamError(f"no server{which} started through `expert-stream serve` / `mlx-lm-server` is "
-                                f"running (run files in {run_files.servers_dir()}); pass --url for another one")
-    if len(found) > 1:
-        listing = "; ".join(f"{r['url']} ({r['config']})" for r in found)
-        raise ExpertStreamError(f"{len(found)} servers{which} are running: {listing}; pick one with --url or --config")
-    return found[0]["url"].rstrip("/")
 
 
 def model_line(model_id: str, model: dict) -> str:

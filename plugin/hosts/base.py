@@ -20,7 +20,7 @@ class HostAdapter(Protocol):
     """What `register_hosts` registers, and all the CLI and the plugin core call on a host.
 
     `internals()` is the start-up check: it imports the host and checks every internal the
-    adapter touches (each host's `*_compat` module), raising HostError that names the host
+    adapter touches (each host wing's `compat.py`), raising HostError that names the host
     version and each internal that does not fit. `schema()` and `load_config()` take its
     result so a caller that has it does not check twice; `serve()` checks first, then runs
     the host in this process until it exits and returns its exit code."""

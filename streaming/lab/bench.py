@@ -121,7 +121,7 @@ def replay_start(trace, prompt_tokens: int) -> int:
     return int(decode[0]) if decode.size else 0
 
 
-def _vocab(model) -> int:
+def vocab_size(model) -> int:
     """The vocabulary size; mlx-vlm-layout models keep it on their language model's args."""
     args = getattr(model, "args", None)
     if getattr(args, "vocab_size", None) is None:
@@ -225,7 +225,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = lambda m: print(
         + (f", replaying {routing.path.name} from row {routing.start}" if routing else ""))
     model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
     replay = routing.install(model) if routing else None
-    prompt = _prompt(_vocab(model), cfg.prompt_tokens, cfg.seed)
+    prompt = _prompt(vocab_size(model), cfg.prompt_tokens, cfg.seed)
     at_first_token = {}
     page_cache = {}
 
@@ -317,7 +317,7 @@ def run_stock_side(cfg: BenchConfig, report: dict, log: Callable[[str], None] = 
     routing = _Routing(cfg, fp) if cfg.routing is not None else None
     stock, _ = load_model(Path(cfg.model_dir))
     replay = routing.install(stock) if routing else None
-    prompt = _prompt(_vocab(stock), cfg.prompt_tokens, cfg.seed)
+    prompt = _prompt(vocab_size(stock), cfg.prompt_tokens, cfg.seed)
     stock_run = timed_generation(stock, prompt, cfg.gen_tokens, int(cfg.settings.get("prefill_step", 2048)),
                                  on_start=lambda: drop_checkpoint(_shards(cfg.model_dir)),
                                  replay=replay, start_row=routing.start if routing else 0)

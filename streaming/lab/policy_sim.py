@@ -20,7 +20,7 @@ The definition (it reproduces the reference table of ``shared/moe_traces/README.
   order. The misses beyond the free slots are first offered with their victims to
   ``admission``; a miss it declines is not inserted (read for its token only) and its victim
   stays. After warm-up the cache stays full.
-  tests/test_policy.py replays traces through the engine's ``ExpertCache`` (access first, and
+  tests/engine/test_policy.py replays traces through the engine's ``ExpertCache`` (access first, and
   placed first as a warm start does) and checks it misses what this simulator misses.
 - Hit rate of a layer = hits / accesses over the replayed decode tokens.
 - The trace's hit rate is the unweighted mean of its layers' hit rates, in percent.

@@ -6,7 +6,7 @@ shard so a checkpoint can be larger than memory. Used by the tests, the demo and
     path = make_checkpoint(tmp / "q", "qwen3_moe", layers=4, experts=32, dtype="float32")
 """
 
-from .presets import PRESETS, all_architectures
+from .registry import PRESETS, all_architectures
 from .sizing import estimate_size, layers_for_target
 from .spec import DEFAULT_VOCAB_SIZE
 from .writer import SYNTH_FILE, is_complete, make_checkpoint, read_synth

@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 
 from .errors import SyntheticError
-from .presets import Dims, Preset, deep_merge
+from .preset import Dims, Preset, deep_merge
 
 # Dummy vision tower of a VLM export: a few small tensors that the family's sanitize drops, so
 # the engine sees the non-text tensors real mlx-vlm exports carry.

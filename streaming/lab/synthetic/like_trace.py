@@ -69,7 +69,7 @@ def like_trace_shape(trace, *, moe_layers=None, experts=None, top_k=None, hidden
 def layers_for_moe_layers(arch: str, moe_layers: int, **kwargs) -> int:
     """The layer count of `arch` that gives `moe_layers` MoE layers (families with dense first
     layers or MoE every other layer need more), other sizes as in kwargs."""
-    from .presets import get_preset
+    from .registry import get_preset
     from .sizing import estimate_size
 
     kwargs.pop("layers", None)

@@ -12,7 +12,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from .presets import Mtp
+from .preset import Mtp
 from .quantization import QuantRecipe
 from .shards import TensorGroup
 from .weights import CHUNK_ELEMENTS, key_for, random_words, seed_for

@@ -4,177 +4,19 @@ expert width, vocabulary). Field names and values mirror the real Hugging Face c
 mlx-lm model class builds exactly the modules a real checkpoint has; anything can be overridden.
 
 Each preset also says how the mlx-vlm text-export layout (`language_model.` names) is written
-for that family, or that stock mlx-lm cannot load it."""
+for that family, or that stock mlx-lm cannot load it. What a preset is lives in preset.py; the
+registry of every family (these and presets_2026.py's) in registry.py. The families that later
+ones build on (deepseek_v3, glm4_moe, qwen3_5_moe) are public: presets_2026.py extends them."""
 
 from __future__ import annotations
 
-import copy
-import importlib
-from dataclasses import dataclass
-from typing import Callable, Optional
-
 from .errors import SyntheticError
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The sizes a caller chooses; everything else in a config derives from them."""
-
-    layers: int
-    experts: int
-    top_k: int
-    hidden: int
-    moe_hidden: int
-    vocab: int
-
-    @property
-    def head_dim(self) -> int:
-        return 32 if self.hidden <= 256 else 64
-
-    @property
-    def heads(self) -> int:
-        return max(2, self.hidden // self.head_dim)
-
-    @property
-    def kv_heads(self) -> int:
-        return max(1, self.heads // 2)
-
-    @property
-    def intermediate(self) -> int:
-        """Width of the dense MLPs (dense first layers, shared experts' neighbours)."""
-        return 2 * self.hidden
-
-    @property
-    def expert_groups(self) -> tuple[int, int]:
-        """(n_group, topk_group) for grouped top-k routers (DeepSeek-V3 style): 4 groups, 2
-        chosen, when the experts split evenly and the top-k still fits the chosen groups."""
-        if self.experts % 4 == 0 and self.experts >= 8 and self.top_k <= self.experts // 2:
-            return 4, 2
-        return 1, 1
-
-
-@dataclass(frozen=True)
-class VlmLayout:
-    """How the mlx-vlm text export of a family looks to stock mlx-lm.
-
-    kind: "wrapper"  the config becomes a VLM wrapper (`model_type` below, the text config
-                     nested in `text_config`) whose mlx-lm class holds `language_model`;
-          "native"   the mlx-lm class already names everything `language_model.` (the
-                     config is nested already); the export adds vision weights and config;
-          "prefix"   same config; tensor names get a `language_model.` prefix that the
-                     family's `sanitize` strips.
-    vision_prefix: where dummy vision-tower tensors go (dropped by the family's sanitize),
-                   or None when sanitize would not drop them (strict load would fail)."""
-
-    kind: str
-    model_type: Optional[str] = None
-    architectures: tuple[str, ...] = ()
-    text_model_type: Optional[str] = None
-    vision_prefix: Optional[str] = "vision_tower"
-
-
-@dataclass(frozen=True)
-class Mtp:
-    """Where a family's real export keeps its multi-token-prediction (MTP) head, which mlx-lm's
-    `sanitize` drops at load. Names are full tensor names; "{n}" is num_hidden_layers.
-
-    layer: prefix of the MTP decoder layer, written with the tensors of the model's last MoE
-           layer (stacked experts, quantized as the trunk): the case where an index that went by
-           names alone would find one more expert layer.
-    norms: the head's norm vectors (hidden); projs: its linears (2 x hidden -> hidden)."""
-
-    layer: str
-    norms: tuple[str, ...] = ()
-    projs: tuple[str, ...] = ()
-
-    def names(self, layers: int) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-        n = str(layers)
-        return (self.layer.replace("{n}", n), tuple(x.replace("{n}", n) for x in self.norms),
-                tuple(x.replace("{n}", n) for x in self.projs))
-
-
-def deepseek_mtp(layer: str = "model.layers.{n}") -> Mtp:
-    """DeepSeek-V3's layout (GLM-4.5, Step-3.5, Ling 2.5 alike): one more decoder layer after the
-    last, with its embedding / hidden norms, their projection and the shared head's norm."""
-    return Mtp(layer, norms=(f"{layer}.enorm.weight", f"{layer}.hnorm.weight", f"{layer}.shared_head.norm.weight"),
-               projs=(f"{layer}.eh_proj",))
-
-
-def qwen_mtp(root: str = "mtp") -> Mtp:
-    """Qwen3.5's layout (MiMo-V2, LongCat, K-EXAONE alike): an `mtp` module beside the model."""
-    return Mtp(f"{root}.layers.0", norms=(f"{root}.norm.weight", f"{root}.pre_fc_norm_embedding.weight",
-                                          f"{root}.pre_fc_norm_hidden.weight"), projs=(f"{root}.fc",))
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    build: Callable[[Dims], dict]
-    layers: int = 2
-    experts: int = 16
-    top_k: int = 4
-    hidden: int = 128
-    moe_hidden: int = 64
-    min_layers: int = 1
-    # mlx-lm's deepseek_v3 sanitize drops every tensor of `model.layers.61` (the MTP layer of
-    # the real model), so a checkpoint with more layers cannot load strictly.
-    max_layers: Optional[int] = None
-    quant_mode: str = "affine"  # the family's usual export: gpt-oss ships mxfp4 experts
-    # Its usual bits and group size when the caller gives none (None: 4 bits, group 64).
-    default_bits: Optional[int] = None
-    default_group_size: Optional[int] = None
-    vlm: Optional[VlmLayout] = None
-    module: Optional[str] = None  # mlx_lm.models.<module>; defaults to the name
-    notes: str = ""
-    # Fixes up the text config after the caller's overrides (nemotron_h: the layer count
-    # follows an overridden hybrid pattern) or rejects inconsistent overrides.
-    finalize: Optional[Callable[[dict], None]] = None
-    # The first mlx-lm that has the family (None: every supported one, 0.31 on).
-    mlx_lm_since: Optional[str] = None
-    # Stock mlx-lm runs the family through Metal-only kernels: no forward pass elsewhere.
-    metal_only: bool = False
-    # The MTP head the family's exports carry and its sanitize drops (text layout only).
-    mtp: Optional[Mtp] = None
-    # Turns the randomized model and its config into the family's export and quantizes it
-    # (model, config, SynthSpec) -> config, instead of the usual quantization: Prism's
-    # Hadamard-rotated packs.
-    pack: Optional[Callable] = None
-
-    def unavailable_reason(self) -> Optional[str]:
-        """Why the installed mlx-lm cannot build this family, or None when it can."""
-        if self.available():
-            return None
-        import mlx_lm
-
-        since = f" (added in mlx-lm {self.mlx_lm_since})" if self.mlx_lm_since else ""
-        return f"{self.name} needs mlx_lm.models.{self.module or self.name}{since}; mlx-lm {mlx_lm.__version__} is installed"
-
-    def available(self) -> bool:
-        try:
-            importlib.import_module(f"mlx_lm.models.{self.module or self.name}")
-        except ImportError:
-            return False
-        return True
-
-
-def _common(d: Dims, model_type: str, architecture: str) -> dict:
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": d.vocab,
-        "hidden_size": d.hidden,
-        "num_hidden_layers": d.layers,
-        "num_attention_heads": d.heads,
-        "num_key_value_heads": d.kv_heads,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    }
+from .preset import Dims, Preset, VlmLayout, common_config, deepseek_mtp, mla_config, qwen_mtp
 
 
 def _qwen3_moe(d: Dims) -> dict:
     return {
-        **_common(d, "qwen3_moe", "Qwen3MoeForCausalLM"),
+        **common_config(d, "qwen3_moe", "Qwen3MoeForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -206,7 +48,7 @@ def _linear_attention(d: Dims) -> dict:
 
 def _qwen3_next(d: Dims) -> dict:
     return {
-        **_common(d, "qwen3_next", "Qwen3NextForCausalLM"),
+        **common_config(d, "qwen3_next", "Qwen3NextForCausalLM"),
         **_linear_attention(d),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
@@ -225,9 +67,9 @@ def _qwen3_next(d: Dims) -> dict:
     }
 
 
-def _qwen3_5_moe(d: Dims) -> dict:
+def qwen3_5_moe_config(d: Dims) -> dict:
     text = {
-        **_common(d, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+        **common_config(d, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
         **_linear_attention(d),
         "head_dim": d.head_dim,
         "moe_intermediate_size": d.moe_hidden,
@@ -282,10 +124,10 @@ _DEEPSEEK_YARN = {
 }
 
 
-def _deepseek_v3(d: Dims) -> dict:
+def deepseek_v3_config(d: Dims) -> dict:
     n_group, topk_group = d.expert_groups
     return {
-        **_common(d, "deepseek_v3", "DeepseekV3ForCausalLM"),
+        **common_config(d, "deepseek_v3", "DeepseekV3ForCausalLM"),
         "num_key_value_heads": d.heads,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -313,9 +155,9 @@ def _deepseek_v3(d: Dims) -> dict:
     }
 
 
-def _glm4_moe(d: Dims) -> dict:
+def glm4_moe_config(d: Dims) -> dict:
     return {
-        **_common(d, "glm4_moe", "Glm4MoeForCausalLM"),
+        **common_config(d, "glm4_moe", "Glm4MoeForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -339,7 +181,7 @@ def _glm4_moe(d: Dims) -> dict:
 
 def _gpt_oss(d: Dims) -> dict:
     return {
-        **_common(d, "gpt_oss", "GptOssForCausalLM"),
+        **common_config(d, "gpt_oss", "GptOssForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.moe_hidden,
         "num_local_experts": d.experts,
@@ -367,7 +209,7 @@ def _gpt_oss(d: Dims) -> dict:
 
 def _mixtral(d: Dims) -> dict:
     return {
-        **_common(d, "mixtral", "MixtralForCausalLM"),
+        **common_config(d, "mixtral", "MixtralForCausalLM"),
         "intermediate_size": d.moe_hidden,
         "num_local_experts": d.experts,
         "num_experts_per_tok": d.top_k,
@@ -378,7 +220,7 @@ def _mixtral(d: Dims) -> dict:
 
 def _olmoe(d: Dims) -> dict:
     return {
-        **_common(d, "olmoe", "OlmoeForCausalLM"),
+        **common_config(d, "olmoe", "OlmoeForCausalLM"),
         "num_key_value_heads": d.heads,
         "intermediate_size": d.moe_hidden,
         "num_experts": d.experts,
@@ -400,7 +242,7 @@ def _nemotron_pattern(layers: int) -> str:
 def _nemotron_h(d: Dims) -> dict:
     mamba_heads = max(2, d.hidden // 32)
     return {
-        **_common(d, "nemotron_h", "NemotronHForCausalLM"),
+        **common_config(d, "nemotron_h", "NemotronHForCausalLM"),
         "head_dim": d.head_dim,
         "attention_bias": False,
         "intermediate_size": d.intermediate,
@@ -441,7 +283,7 @@ def _nemotron_finalize(cfg: dict) -> None:
 def _kimi_linear(d: Dims) -> dict:
     full = [i for i in range(1, d.layers + 1) if i % 4 == 0]
     kda = [i for i in range(1, d.layers + 1) if i % 4 != 0]
-    cfg = _common(d, "kimi_linear", "KimiLinearForCausalLM")
+    cfg = common_config(d, "kimi_linear", "KimiLinearForCausalLM")
     cfg.update(
         {
             "num_key_value_heads": d.heads,
@@ -481,7 +323,7 @@ def _kimi_linear(d: Dims) -> dict:
 
 def _minimax(d: Dims) -> dict:
     return {
-        **_common(d, "minimax", "MiniMaxM2ForCausalLM"),
+        **common_config(d, "minimax", "MiniMaxM2ForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.moe_hidden,
         "num_local_experts": d.experts,
@@ -501,7 +343,7 @@ def _laguna(d: Dims) -> dict:
         "full_attention" if i % 2 == 0 else "sliding_attention" for i in range(d.layers)
     ]
     return {
-        **_common(d, "laguna", "LagunaForCausalLM"),
+        **common_config(d, "laguna", "LagunaForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "rms_norm_eps": 1e-6,
@@ -540,7 +382,7 @@ def _laguna_finalize(cfg: dict) -> None:
 
 def _qwen2_moe(d: Dims) -> dict:
     return {
-        **_common(d, "qwen2_moe", "Qwen2MoeForCausalLM"),
+        **common_config(d, "qwen2_moe", "Qwen2MoeForCausalLM"),
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
         "shared_expert_intermediate_size": 2 * d.moe_hidden,
@@ -553,23 +395,11 @@ def _qwen2_moe(d: Dims) -> dict:
     }
 
 
-def _mla(d: Dims) -> dict:
-    """Multi-head latent attention sizes (DeepSeek-V2/V3, GLM-4.7-Flash), shrunk."""
-    return {
-        "num_key_value_heads": d.heads,
-        "kv_lora_rank": 64,
-        "q_lora_rank": 96,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 32,
-        "v_head_dim": 32,
-    }
-
-
 def _deepseek_v2(d: Dims) -> dict:
     n_group, topk_group = d.expert_groups
     return {
-        **_common(d, "deepseek_v2", "DeepseekV2ForCausalLM"),
-        **_mla(d),
+        **common_config(d, "deepseek_v2", "DeepseekV2ForCausalLM"),
+        **mla_config(d),
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
         "n_routed_experts": d.experts,
@@ -590,8 +420,8 @@ def _deepseek_v2(d: Dims) -> dict:
 
 def _glm4_moe_lite(d: Dims) -> dict:
     return {
-        **_common(d, "glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
-        **_mla(d),
+        **common_config(d, "glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+        **mla_config(d),
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
         "n_routed_experts": d.experts,
@@ -614,7 +444,7 @@ def _glm4_moe_lite(d: Dims) -> dict:
 
 def _llama4(d: Dims) -> dict:
     text = {
-        **_common(d, "llama4_text", "Llama4ForCausalLM"),
+        **common_config(d, "llama4_text", "Llama4ForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.moe_hidden,
         "intermediate_size_mlp": d.intermediate,
@@ -641,7 +471,7 @@ def _llama4(d: Dims) -> dict:
 
 def _granitemoe(d: Dims) -> dict:
     return {
-        **_common(d, "granitemoe", "GraniteMoeForCausalLM"),
+        **common_config(d, "granitemoe", "GraniteMoeForCausalLM"),
         "intermediate_size": d.moe_hidden,
         "num_local_experts": d.experts,
         "num_experts_per_tok": d.top_k,
@@ -660,7 +490,7 @@ def _lfm2_moe(d: Dims) -> dict:
     # LFM2: short-convolution blocks with an attention block every few layers
     layer_types = ["full_attention" if i % 4 == 2 else "conv" for i in range(d.layers)]
     return {
-        **_common(d, "lfm2_moe", "Lfm2MoeForCausalLM"),
+        **common_config(d, "lfm2_moe", "Lfm2MoeForCausalLM"),
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
         "num_experts": d.experts,
@@ -676,7 +506,7 @@ def _lfm2_moe(d: Dims) -> dict:
     }
 
 
-PRESETS: dict[str, Preset] = {
+FIRST_PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
@@ -699,7 +529,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "qwen3_5_moe",
-            _qwen3_5_moe,
+            qwen3_5_moe_config,
             layers=4,
             min_layers=2,
             vlm=VlmLayout("native"),
@@ -708,7 +538,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "deepseek_v3",
-            _deepseek_v3,
+            deepseek_v3_config,
             layers=3,
             max_layers=61,
             mtp=deepseek_mtp("model.layers.61"),  # sanitize drops layer 61 by number
@@ -721,7 +551,7 @@ PRESETS: dict[str, Preset] = {
             notes="first_k_dense_replace dense layers, shared experts, raw router matrix "
             "(mlp.gate.weight, zero-initialized in mlx-lm), e_score_correction_bias kept float32",
         ),
-        Preset("glm4_moe", _glm4_moe, layers=3, mtp=deepseek_mtp(), notes="dense first layer, shared expert"),
+        Preset("glm4_moe", glm4_moe_config, layers=3, mtp=deepseek_mtp(), notes="dense first layer, shared expert"),
         Preset(
             "gpt_oss",
             _gpt_oss,
@@ -808,41 +638,3 @@ PRESETS: dict[str, Preset] = {
         ),
     ]
 }
-
-# The families of presets_2026.py (the 2026 flagships and the older families added with them).
-from .presets_2026 import PRESETS_2026  # noqa: E402  (it builds on the helpers above)
-
-PRESETS.update({p.name: p for p in PRESETS_2026})
-
-
-def all_architectures() -> tuple[str, ...]:
-    """Preset names whose mlx-lm model module exists in the installed mlx-lm."""
-    return tuple(name for name, p in PRESETS.items() if p.available())
-
-
-def get_preset(arch: str) -> Preset:
-    try:
-        preset = PRESETS[arch]
-    except KeyError:
-        raise SyntheticError(
-            f"unknown architecture {arch!r}; synthetic checkpoints exist for: "
-            f"{', '.join(sorted(PRESETS))}"
-        ) from None
-    if not preset.available():
-        import mlx_lm
-
-        raise SyntheticError(
-            f"architecture {arch!r} needs mlx_lm.models.{preset.module or arch}, which "
-            f"mlx-lm {mlx_lm.__version__} does not have; upgrade mlx-lm or pick another"
-        )
-    return preset
-
-
-def deep_merge(base: dict, overrides: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

@@ -2,12 +2,13 @@
 flagships (DeepSeek-V4.1, Kimi K3, Mistral 4, Gemma 4, MiMo-V2-Flash, MiniMax-M3, Muse Spark,
 Ling/Ring 2.5) and the older families (dots1, ERNIE 4.5, Hunyuan, LongCat-Flash, ...). Same rules
 as presets.py: real config field names and values, shrunk to the caller's sizes; registered in
-PRESETS at the end of presets.py."""
+PRESETS by registry.py."""
 
 from __future__ import annotations
 
 from . import hadamard_pack
-from .presets import Dims, Mtp, Preset, VlmLayout, _common, _glm4_moe, _mla, _qwen3_5_moe, deepseek_mtp, qwen_mtp
+from .preset import Dims, Mtp, Preset, VlmLayout, common_config, deepseek_mtp, mla_config, qwen_mtp
+from .presets import deepseek_v3_config, glm4_moe_config, qwen3_5_moe_config
 
 
 def _every(n: int, period: int, offset: int = 0) -> list[int]:
@@ -27,7 +28,7 @@ def _deepseek_v41(d: Dims) -> dict:
     # expert), hyper-connections (hc_mult streams), sliding-window attention with compressed
     # KV in some layers; the MTP block (`mtp.`) is dropped by sanitize.
     return {
-        **_common(d, "deepseek_v41", "DeepseekV41ForCausalLM"),
+        **common_config(d, "deepseek_v41", "DeepseekV41ForCausalLM"),
         "head_dim": 64,
         "q_lora_rank": 96,
         "qk_rope_head_dim": 16,
@@ -60,7 +61,7 @@ def _kimi_k3(d: Dims) -> dict:
     # Kimi K3: KDA linear attention 3 : 1 MLA, attention residuals over blocks of layers,
     # SiTU experts in a latent width (routed_expert_hidden_size), dense first layer.
     full = [i for i in range(1, d.layers + 1) if i % 4 == 0]
-    text = _common(d, "kimi_k3", "KimiK3ForCausalLM")
+    text = common_config(d, "kimi_k3", "KimiK3ForCausalLM")
     text.pop("hidden_act")
     text.update(
         {
@@ -107,8 +108,8 @@ def _mistral4(d: Dims) -> dict:
     # Mistral Large 3 / Mistral 4: DeepSeek-V3 layout (MLA, shared expert, grouped routing).
     n_group, topk_group = d.expert_groups
     return {
-        **_common(d, "mistral4", "Mistral4ForCausalLM"),
-        **_mla(d),
+        **common_config(d, "mistral4", "Mistral4ForCausalLM"),
+        **mla_config(d),
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
         "n_routed_experts": d.experts,
@@ -140,7 +141,7 @@ def _gemma4_text(d: Dims) -> dict:
     # Gemma 4 MoE (26B-A4B): every layer has a dense MLP and an MoE block side by side,
     # sliding / full attention 5 : 1, tied embeddings, soft-capped logits.
     return {
-        **_common(d, "gemma4_text", "Gemma4ForCausalLM"),
+        **common_config(d, "gemma4_text", "Gemma4ForCausalLM"),
         "head_dim": d.head_dim,
         "global_head_dim": 2 * d.head_dim,
         "intermediate_size": d.intermediate,
@@ -171,7 +172,7 @@ def _mimo_v2_flash(d: Dims) -> dict:
     if 1 not in pattern:
         pattern[-1] = 1
     return {
-        **_common(d, "mimo_v2_flash", "MiMoV2FlashForCausalLM"),
+        **common_config(d, "mimo_v2_flash", "MiMoV2FlashForCausalLM"),
         "hybrid_layer_pattern": pattern,
         "moe_layer_freq": [0] * _dense_first(d) + [1] * (d.layers - _dense_first(d)),
         "add_swa_attention_sink_bias": True,
@@ -206,7 +207,7 @@ def _minimax_m3_vl(d: Dims) -> dict:
     # MiniMax-M3: the VLM export (text model under language_model.), dense first layer,
     # shared expert, swiglu with clamp; the vision tower is dropped by sanitize.
     text = {
-        **_common(d, "minimax_m3", "MiniMaxM3ForCausalLM"),
+        **common_config(d, "minimax_m3", "MiniMaxM3ForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.moe_hidden,
         "dense_intermediate_size": d.intermediate,
@@ -271,7 +272,7 @@ def _bailing_v3(d: Dims, model_type: str) -> dict:
     # layer, grouped sigmoid routing with expert bias, shared expert.
     n_group, topk_group = d.expert_groups
     cfg = {
-        **_common(d, model_type, "BailingMoeV3ForCausalLM"),
+        **common_config(d, model_type, "BailingMoeV3ForCausalLM"),
         "num_key_value_heads": d.heads,
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
@@ -316,7 +317,7 @@ def _bailing_moe(d: Dims, model_type: str = "bailing_moe") -> dict:
     # Ling 2.0: dense first layer, grouped sigmoid routing with expert bias, shared expert.
     n_group, topk_group = d.expert_groups
     return {
-        **_common(d, model_type, "BailingMoeV2ForCausalLM"),
+        **common_config(d, model_type, "BailingMoeV2ForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -351,7 +352,7 @@ def _bailing_moe_linear(d: Dims) -> dict:
 def _jamba(d: Dims) -> dict:
     # Jamba: Mamba / attention 7 : 1, MoE every other layer; tied embeddings off in 1.5.
     return {
-        **_common(d, "jamba", "JambaForCausalLM"),
+        **common_config(d, "jamba", "JambaForCausalLM"),
         "intermediate_size": d.moe_hidden,
         "attn_layer_offset": min(2, d.layers - 1),
         "attn_layer_period": 4,
@@ -372,7 +373,7 @@ def _granitemoehybrid(d: Dims) -> dict:
     # layer, tied embeddings.
     types = ["attention" if i % 4 == 2 else "mamba" for i in range(d.layers)]
     return {
-        **_common(d, "granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+        **common_config(d, "granitemoehybrid", "GraniteMoeHybridForCausalLM"),
         "intermediate_size": d.intermediate,
         "attention_bias": False,
         "embedding_multiplier": 12.0,
@@ -404,8 +405,8 @@ def _deepseek_v32(d: Dims) -> dict:
     # DeepSeek-V3.2: DeepSeek-V3 plus the lightning indexer (sparse attention).
     n_group, topk_group = d.expert_groups
     return {
-        **_common(d, "deepseek_v32", "DeepseekV32ForCausalLM"),
-        **_mla(d),
+        **common_config(d, "deepseek_v32", "DeepseekV32ForCausalLM"),
+        **mla_config(d),
         "index_head_dim": 32,
         "index_n_heads": 2,
         "index_topk": 64,
@@ -431,14 +432,14 @@ def _deepseek_v32(d: Dims) -> dict:
 
 def _glm_moe_dsa(d: Dims) -> dict:
     # GLM-5: the DeepSeek-V3.2 model (mlx-lm reuses it) under GLM's config names.
-    cfg = {**_deepseek_v32(d), **_common(d, "glm_moe_dsa", "GlmMoeDsaForCausalLM")}
+    cfg = {**_deepseek_v32(d), **common_config(d, "glm_moe_dsa", "GlmMoeDsaForCausalLM")}
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
     return {**cfg, "attention_bias": False, "indexer_rope_interleave": True}
 
 
 def _solar_open(d: Dims) -> dict:
     # Solar Open: mlx-lm builds it with the glm4_moe model.
-    cfg = {**_glm4_moe(d), **_common(d, "solar_open", "SolarOpenForCausalLM")}
+    cfg = {**glm4_moe_config(d), **common_config(d, "solar_open", "SolarOpenForCausalLM")}
     return {**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
@@ -446,7 +447,7 @@ def _prism_hadamard_qwen35(d: Dims) -> dict:
     # Prism's Hadamard packs (Bonsai 2): the qwen3_5 (MoE) model, packed by hadamard_pack.pack
     # after its weights are drawn. The shared expert runs at the model's width, so every packed
     # linear's input takes the same Hadamard block (the published packs use one block).
-    config = _qwen3_5_moe(d)
+    config = qwen3_5_moe_config(d)
     config["text_config"]["shared_expert_intermediate_size"] = d.hidden
     return config
 
@@ -454,10 +455,8 @@ def _prism_hadamard_qwen35(d: Dims) -> dict:
 def _kimi_vl(d: Dims) -> dict:
     # Kimi-VL's language model: the DeepSeek-V3 model under `language_model.` (names as the
     # mlx-lm class has them; its sanitize drops the vision tower).
-    from .presets import _deepseek_v3
-
     return {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl",
-            "text_config": {**_deepseek_v3(d), "model_type": "deepseek_v3"}}
+            "text_config": {**deepseek_v3_config(d), "model_type": "deepseek_v3"}}
 
 
 def _longcat_flash_ngram(d: Dims) -> dict:
@@ -473,7 +472,7 @@ def _longcat_flash_ngram(d: Dims) -> dict:
 def _deepseek(d: Dims) -> dict:
     # DeepSeek-MoE 16B: dense first layer, 2 shared experts, softmax routing.
     return {
-        **_common(d, "deepseek", "DeepseekForCausalLM"),
+        **common_config(d, "deepseek", "DeepseekForCausalLM"),
         "num_key_value_heads": d.heads,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -489,7 +488,7 @@ def _deepseek(d: Dims) -> dict:
 
 def _dots1(d: Dims) -> dict:
     return {
-        **_common(d, "dots1", "Dots1ForCausalLM"),
+        **common_config(d, "dots1", "Dots1ForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "first_k_dense_replace": _dense_first(d),
@@ -507,7 +506,7 @@ def _dots1(d: Dims) -> dict:
 
 def _ernie4_5_moe(d: Dims) -> dict:
     return {
-        **_common(d, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
+        **common_config(d, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "rms_norm_eps": 1e-5,
@@ -526,7 +525,7 @@ def _ernie4_5_moe(d: Dims) -> dict:
 def _exaone_moe(d: Dims) -> dict:
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(d.layers)]
     return {
-        **_common(d, "exaone_moe", "ExaoneMoEForCausalLM"),
+        **common_config(d, "exaone_moe", "ExaoneMoEForCausalLM"),
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
         "moe_intermediate_size": d.moe_hidden,
@@ -545,7 +544,7 @@ def _exaone_moe(d: Dims) -> dict:
 def _hunyuan(d: Dims) -> dict:
     # Hunyuan-A13B: a shared MLP beside the experts, cross-layer KV sharing (CLA) off.
     return {
-        **_common(d, "hunyuan", "HunYuanMoEV1ForCausalLM"),
+        **common_config(d, "hunyuan", "HunYuanMoEV1ForCausalLM"),
         "intermediate_size": d.intermediate,
         "attention_bias": False,
         "moe_topk": d.top_k,
@@ -599,7 +598,7 @@ def _longcat_flash(d: Dims) -> dict:
 def _mellum(d: Dims) -> dict:
     types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(d.layers)]
     return {
-        **_common(d, "mellum", "MellumForCausalLM"),
+        **common_config(d, "mellum", "MellumForCausalLM"),
         "intermediate_size": d.intermediate,
         "num_experts": d.experts,
         "num_experts_per_tok": d.top_k,
@@ -618,7 +617,7 @@ def _mellum(d: Dims) -> dict:
 
 def _klear(d: Dims) -> dict:
     return {
-        **_common(d, "Klear", "KlearForCausalLM"),
+        **common_config(d, "Klear", "KlearForCausalLM"),
         "intermediate_size": d.intermediate,
         "attention_bias": False,
         "mlp_only_layers": [],
@@ -638,7 +637,7 @@ def _afmoe(d: Dims) -> dict:
     # Arcee Trinity: dense first layers, sliding / full attention 3 : 1, sigmoid routing.
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(d.layers)]
     return {
-        **_common(d, "afmoe", "AfmoeForCausalLM"),
+        **common_config(d, "afmoe", "AfmoeForCausalLM"),
         "layer_types": types,
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,
@@ -658,7 +657,7 @@ def _afmoe(d: Dims) -> dict:
 
 def _phimoe(d: Dims) -> dict:
     return {
-        **_common(d, "phimoe", "PhiMoEForCausalLM"),
+        **common_config(d, "phimoe", "PhiMoEForCausalLM"),
         "intermediate_size": d.moe_hidden,
         "num_local_experts": d.experts,
         "num_experts_per_tok": d.top_k,
@@ -695,7 +694,7 @@ def _phixtral(d: Dims) -> dict:
 def _step3p5(d: Dims) -> dict:
     types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(d.layers)]
     return {
-        **_common(d, "step3p5", "Step3p5ForCausalLM"),
+        **common_config(d, "step3p5", "Step3p5ForCausalLM"),
         "num_attention_groups": d.kv_heads,
         "head_dim": d.head_dim,
         "intermediate_size": d.intermediate,

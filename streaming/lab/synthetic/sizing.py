@@ -9,7 +9,7 @@ from typing import Optional
 
 from .errors import SyntheticError
 from .mtp import nbytes
-from .presets import get_preset
+from .registry import get_preset
 from .shards import plan_shards
 from .spec import SynthSpec, materialize, resolve_spec
 

@@ -15,7 +15,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from . import quantization
 from .config import build_config, text_config, vision_tensors
 from .errors import SyntheticError
-from .presets import Dims, get_preset
+from .preset import Dims
+from .registry import get_preset
 from .mtp import mtp_groups, mtp_specs
 from .structure import expert_param_names
 from .tokenizer import MIN_VOCAB_SIZE

@@ -1,0 +1,171 @@
+"""The applied config of a running mlx_lm.server, the patches that consult it, and its reloads.
+
+mlx_lm.server runs in this process and holds one model at a time. A reload executes the plan
+(`reload.plan_reload`) at once on what the provider consults: the name map and the
+interception targets change together, the folders of removed and changed entries are marked
+stale, and a stale model is loaded again inside `ModelProvider.load`, the point where
+mlx_lm.server itself swaps models between requests, on the generation thread. So a request in
+flight finishes on the old model and the next one waits for the load, never refused."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from expert_stream.plugin.config import HostConfig
+from expert_stream.plugin.hosts.mlx_lm import compat
+from expert_stream.plugin.hosts.mlx_lm.routes import patch_handler
+from expert_stream.plugin.redact import redacting_calls
+from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
+    unchanged_file
+
+log = logging.getLogger("expert_stream")
+
+
+class LmServerState:
+    """The applied config of a running mlx_lm.server, and the patches that consult it."""
+
+    def __init__(self, host, internals, config: HostConfig):
+        self.host = host
+        self.internals = internals
+        self.config = config
+        self.lock = threading.RLock()
+        self.reload_lock = threading.Lock()
+        self.stale: set[str] = set()  # folders whose loaded model no longer matches its entry
+        self.removed: set[str] = set()  # names removed from the config
+        self.provider = None
+        self.bind_host = "127.0.0.1"  # mlx_lm.server's default; serve() reads --host
+        self.pipeline = None  # pipeline_mode.PipelineMode when this process is one rank of --pipeline
+        self.record = ReloadRecord(str(config.path), host.name, internals.version,
+                                   applied_hash=config.text_hash, applied_at=time.time())
+        self._sync_models()
+
+    # -- the config as the provider sees it ---------------------------------------------------
+    def aliases(self) -> dict[str, str]:
+        return {e.model_id: str(e.resolved_path()) for e in self.config.entries}
+
+    def targets(self) -> dict:
+        from expert_stream.plugin.hosts.interception import Target
+
+        return {e.resolved_path(): Target(e.model_id, e.settings.to_dict()) for e in self.config.entries if e.streamed}
+
+    def _sync_models(self) -> None:
+        models = {}
+        for e in self.config.entries:
+            old = self.record.models.get(e.model_id)
+            models[e.model_id] = ModelState(e.model_id, e.model_path, e.streamed,
+                                            state=old.state if old else "configured",
+                                            settings=e.settings.to_dict() if e.streamed else None)
+        self.record.models = models
+
+    def install(self) -> None:
+        from expert_stream.plugin.hosts import interception
+
+        interception.install()
+        interception.set_targets(self.targets())
+        compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._loaded)
+        compat.wrap_generate(self.internals.ResponseGenerator, redacting_calls)  # errors reach clients as text
+        patch_handler(self)
+
+    def _provider_made(self, provider, cli_args) -> None:
+        self.provider = provider
+        with self.lock:
+            compat.set_names(provider, self.removed, self.config.entries)
+            if cli_args.model in self.aliases():
+                compat.set_default(provider, self.aliases()[cli_args.model])
+
+    def _before_load(self, provider, model_path) -> None:
+        with self.lock:
+            if model_path in self.removed and model_path not in self.aliases():
+                raise ValueError(f"model {model_path!r} was removed from {self.config.path}")
+            loaded = compat.loaded_folder(provider)
+            if loaded is not None and str(Path(loaded).resolve()) in self.stale:
+                self.stale.discard(str(Path(loaded).resolve()))
+                compat.forget_loaded(provider)  # forces a load with the new settings
+
+    def _loaded(self, provider, folder: str, seconds: float) -> None:
+        with self.lock:
+            for entry in self.config.entries:
+                model_state = self.record.models.get(entry.model_id)
+                if model_state is None:
+                    continue
+                if str(entry.resolved_path()) == folder:
+                    model_state.state, model_state.loaded_at = "loaded", time.time()
+                    model_state.load_seconds = seconds
+                elif model_state.state == "loaded":
+                    model_state.state = "configured"
+            streamed = any(str(e.resolved_path()) == folder for e in self.config.entries if e.streamed)
+        if streamed:
+            compat.serve_one_at_a_time(provider)  # batching collapses the hit rate
+
+    # -- reload ---------------------------------------------------------------------------------
+    def watch(self) -> None:
+        watcher = FileWatcher(self.config.path, self.config.options.debounce_seconds)
+        while True:
+            time.sleep(self.config.options.poll_seconds)
+            try:
+                if watcher.poll():
+                    self.reload("file changed")
+            except Exception as exc:  # the watcher outlives any failure: the next edit is applied
+                log.exception("expert-stream: watching %s: %s", self.config.path, exc)
+                self.record.fail(f"watching the config file failed: {type(exc).__name__}: {exc}", None)
+
+    def reload(self, reason: str, new=None) -> dict:
+        """`new`: the config every pipeline rank validated (pipeline_reload asks them all first)."""
+        from expert_stream.plugin import plugins
+        from expert_stream.plugin.hosts import interception
+
+        if self.pipeline is not None and new is None:
+            return self.pipeline.reloads.request(reason)
+        with self.reload_lock:
+            path = self.config.path
+            try:
+                new = new or self.host.load_config(path, self.internals)
+            except Exception as exc:  # ConfigError, or a plugin's hook failing: refused either way
+                return refuse_reload(self.record, path, reason, exc)
+            same = unchanged_file(self.record, self.config, new)
+            if same is not None:
+                return same
+            t0 = time.perf_counter()
+            plan = plan_reload(self.config, new)
+            with self.lock:
+                for entry in plan.unload:
+                    self.stale.add(str(entry.resolved_path()))
+                self.removed = (self.removed | set(plan.removed)) - set(new.by_id())
+                self.config = new
+                interception.set_targets(self.targets())
+                if self.provider is not None:
+                    compat.set_names(self.provider, self.removed, self.config.entries)
+                self._sync_models()
+                for model_id in plan.changed:
+                    self.record.models[model_id].state = "pending reload"
+            self.record.last_error = self.record.failed_hash = None
+            self.record.applied(plan, reason, round(time.perf_counter() - t0, 3),
+                                note="a changed model reloads at its next request")
+            applied = plan.applied()
+            plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=applied, error=None)
+            return {"ok": True, "applied": applied, "last_reload": self.record.last_reload}
+
+    def models_list(self, only=None) -> dict:
+        """/v1/models as mlx_lm.server shapes it, with the configured served names."""
+        with self.lock:
+            ids = [e.model_id for e in self.config.entries]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": int(self.record.applied_at or 0)}
+                                           for i in ids if only is None or i == only]}
+
+    def status(self) -> dict:
+        from expert_stream.plugin.hosts import interception
+
+        stats = interception.stats()
+        with self.lock:
+            for model_id, model_state in self.record.models.items():
+                if model_id in stats:
+                    model_state.stats = stats[model_id]
+                    model_state.settings = stats[model_id].get("settings", model_state.settings)
+            out = self.record.as_dict()
+        out["loaded_model"] = compat.loaded_folder(self.provider)
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline.status()
+        return out

@@ -1,0 +1,65 @@
+"""What the plugin adds to mlx_lm.server's HTTP handler: GET /expert-stream/status and POST
+/expert-stream/reload (loopback programs only, see endpoint_guard), and a /v1/models that lists
+the configured served names (the host's lists the Hugging Face cache)."""
+
+from __future__ import annotations
+
+import json
+
+from expert_stream.plugin.endpoint_guard import refusal
+from expert_stream.plugin.hosts.mlx_lm import compat
+from expert_stream.plugin.redact import redact_errors
+
+STATUS_PATH = "/expert-stream/status"
+RELOAD_PATH = "/expert-stream/reload"
+MODELS_PATH = "/v1/models"
+
+
+def patch_handler(state) -> None:
+    """Answer the control routes and /v1/models in mlx_lm.server's APIHandler (compat wraps its
+    methods); everything else goes to the host's own methods."""
+
+    def reply(handler, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        handler.send_response(status)
+        handler.send_header("Content-type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+        handler.wfile.flush()
+
+    def refused(handler, path) -> bool:
+        # client_address is the socket's peer; see endpoint_guard for the rest.
+        headers = {k.lower(): v for k, v in handler.headers.items()}
+        why = refusal(handler.client_address[0], headers, state.bind_host)
+        if why:
+            reply(handler, 403, {"error": f"{path} {why}"})
+        return bool(why)
+
+    def on_get(handler) -> bool:
+        route = handler.path.split("?")[0]
+        if route == MODELS_PATH or route.startswith(MODELS_PATH + "/"):
+            # The host lists models of the Hugging Face cache; what it serves is the config.
+            reply(handler, 200, state.models_list(route[len(MODELS_PATH) + 1:] or None))
+        elif route == STATUS_PATH:
+            if not refused(handler, STATUS_PATH):
+                reply(handler, 200, redact_errors(state.status()))
+        else:
+            return False
+        return True
+
+    def on_post(handler) -> bool:
+        if handler.path.split("?")[0] != RELOAD_PATH:
+            return False
+        if not refused(handler, RELOAD_PATH):
+            result = state.reload("endpoint")
+            reply(handler, 200 if result["ok"] else 422, redact_errors(result))
+        return True
+
+    def on_options(handler) -> bool:  # no CORS preflight answer for the control endpoints
+        if handler.path.split("?")[0] not in (STATUS_PATH, RELOAD_PATH):
+            return False
+        reply(handler, 403, {"error": "the control endpoints do not answer web pages"})
+        return True
+
+    compat.patch_handler(state.internals.APIHandler, on_get, on_post, on_options)
