@@ -132,3 +132,13 @@ def test_belady_from_a_full_cache_knows_what_it_holds():
     rows = np.array([[0, 1], [2, 3], [0, 1]])  # experts 0, 1 held, used again at the last row
     result = simulate_layer(rows, BeladyPolicy(8, 4, rows), 4, initial=np.array([0, 1, 5, 6]))
     assert result.accesses - result.hits == 2  # 2 and 3 evict 5 and 6, never 0 or 1
+
+
+def test_capped_child_gets_the_corpus(tmp_path):
+    """--memory-cap hands the config to a child process as JSON: the corpus goes with it."""
+    from expert_stream.streaming.lab.bench import BenchConfig
+    from expert_stream.streaming.lab.capped_bench import _config_from_json, _config_json
+
+    cfg = BenchConfig(model_dir=tmp_path, budget_gib="auto", corpus=REPO / "streaming" / "policy.py",
+                      warmup_steps=2, disk_gbps=0.5, known_t_compute=(0.1, "stock"))
+    assert _config_from_json(_config_json(cfg)) == cfg

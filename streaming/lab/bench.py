@@ -276,7 +276,8 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
     else:
         report["disk_gbps"] = cfg.disk_gbps
 
-    log(f"streamed: budget {cfg.budget_gib} GiB, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens"
+    budget = f"{cfg.budget_gib} GiB" if isinstance(cfg.budget_gib, (int, float)) else cfg.budget_gib
+    log(f"streamed: budget {budget}, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens"
         + (f", replaying {routing.path.name} from row {routing.start}" if routing else "")
         + (f", teacher-forced on {cfg.corpus}" if cfg.corpus else ""))
     model, tokenizer, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
