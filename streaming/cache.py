@@ -43,6 +43,8 @@ class LayerStats:
     evictions: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time the compute thread waited for reads
+    reads_landed: int = 0  # experts read whose bytes were in when the compute thread came for them
+    reads_waited: int = 0  # experts read whose bytes the compute thread had to wait for
     prefetch_reads: int = 0  # reads of guessed experts issued by the lookahead
     prefetch_hits: int = 0  # of those, experts a later call used before eviction
     guesses: int = 0  # experts the lookahead guessed for this layer

@@ -152,12 +152,17 @@ class ExpertStore:
         """Wait for the reads and make the bytes visible to MLX; only then do their slots claim
         the experts. A read that fails leaves its slots empty."""
         t0 = time.perf_counter()
+        landed = reads.future.done()
         try:
             try:
                 result = reads.future.result()
                 stats = self.cache.stats
                 stats.read_seconds += time.perf_counter() - t0
                 stats.bytes_read += result.bytes
+                if landed:
+                    stats.reads_landed += len(reads.experts)
+                else:
+                    stats.reads_waited += len(reads.experts)
                 if reads.target.write_mode != "direct" and pending:
                     mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
                 reads.target.commit(reads.slots, reads.staged)

@@ -29,6 +29,11 @@ class TraceRecorder:
         self._seq_start: list[int] = [0]
         self._tokens = 0
 
+    @property
+    def tokens(self) -> int:
+        """Tokens recorded so far (whole forward passes)."""
+        return self._tokens
+
     def add(self, layer: int, ids: np.ndarray) -> None:
         """Layer `layer` (position among streamed layers) routed ids of shape (..., top_k)."""
         self._pass[layer] = ids.reshape(-1, ids.shape[-1]).astype(np.int16)

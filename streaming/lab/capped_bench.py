@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
-from .bench import BenchConfig, finish, run_stock_side, stock_wanted
+from .bench import BenchConfig, apply_stock, finish, stock_reference, stock_wanted, without_stock
 from ..errors import ExpertStreamError
 from .memory_cap import run_capped
 from ..settings import GIB
@@ -24,17 +24,20 @@ class BenchChildError(ExpertStreamError):
     """The capped benchmark process failed for another reason than the cap."""
 
 
+_PATHS = ("model_dir", "routing", "corpus")
+
+
 def _config_json(cfg: BenchConfig) -> str:
     d = asdict(cfg)
-    d["model_dir"] = str(cfg.model_dir)
-    d["routing"] = str(cfg.routing) if cfg.routing is not None else None
+    for key in _PATHS:
+        d[key] = str(d[key]) if d[key] is not None else None
     return json.dumps(d)
 
 
 def _config_from_json(text: str) -> BenchConfig:
     d = json.loads(text)
-    d["model_dir"] = Path(d["model_dir"])
-    d["routing"] = Path(d["routing"]) if d["routing"] is not None else None
+    for key in _PATHS:
+        d[key] = Path(d[key]) if d[key] is not None else None
     if d["known_t_compute"] is not None:
         d["known_t_compute"] = tuple(d["known_t_compute"])
     return BenchConfig(**d)
@@ -44,12 +47,24 @@ def run_bench_capped(cfg: BenchConfig, cap_gib: float,
                      log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
     from ..footprint import checkpoint_footprint
 
-    fp = checkpoint_footprint(cfg.model_dir)
-    want_stock = stock_wanted(cfg, fp)
-    # The child measures t_compute with forced hits unless stock (here) will replace it.
-    child = replace(cfg, stock="no")
+    want_stock = stock_wanted(cfg, checkpoint_footprint(cfg.model_dir))
+    report = run_streamed_capped(replace(cfg, stock="yes" if want_stock else "no"), cap_gib, log)
+    if report.get("result") == "killed":
+        return report
+    if want_stock:
+        apply_stock(report, stock_reference(cfg, log))
+    else:
+        without_stock(report, cfg)
+    return finish(report)
+
+
+def run_streamed_capped(cfg: BenchConfig, cap_gib: float,
+                        log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
+    """The streamed side (bench.run_streamed) in a child process under the cap; its report, or
+    one saying it was killed. cfg.stock "yes" says stock runs later and out here: the child
+    then does not time compute with forced hits."""
     log(f"memory cap: streamed side in a cgroup v2 group with memory.max = {cap_gib} GiB")
-    argv = [sys.executable, "-m", "expert_stream.streaming.lab.capped_bench", _config_json(child)]
+    argv = [sys.executable, "-m", "expert_stream.streaming.lab.capped_bench", _config_json(cfg)]
     run = run_capped(argv, int(cap_gib * GIB))
     cap = {"gib": cap_gib, "mechanism": "cgroup v2 memory.max", "oom_kills": run.oom_kills,
            "peak_gb": run.peak_bytes / 1e9 if run.peak_bytes is not None else None,
@@ -63,9 +78,7 @@ def run_bench_capped(cfg: BenchConfig, cap_gib: float,
         raise BenchChildError(f"the capped benchmark process exited with {run.returncode} (its log is above)")
     report = json.loads(run.stdout)
     report["memory_cap"] = cap
-    if want_stock:
-        run_stock_side(cfg, report, log)
-    return finish(report)
+    return report
 
 
 def main(argv: list[str]) -> int:

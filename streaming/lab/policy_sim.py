@@ -74,7 +74,10 @@ class BeladyPolicy(EvictionPolicy):
         nxt[order[:-1][same]] = pos[order[1:][same]]
         self.steps = steps
         self.next_of_row = nxt.reshape(S, K)
+        # Each expert's first use: a cache that starts full holds experts not yet accessed.
         self.next_use = np.full(num_experts, NEVER, dtype=np.int64)
+        first = order[np.r_[True, flat[order[1:]] != flat[order[:-1]]]] if flat.size else order
+        self.next_use[flat[first]] = pos[first]
 
     def on_access(self, experts, step):
         self.now = step
@@ -109,8 +112,10 @@ def _distinct_rows(ids_l: np.ndarray) -> np.ndarray:
 
 
 def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
-                   counted: np.ndarray | None = None, check: bool = False) -> LayerResult:
-    """Replay one layer's (tokens, top_k) expert ids through ``policy`` with ``capacity`` slots."""
+                   counted: np.ndarray | None = None, check: bool = False,
+                   initial: np.ndarray | None = None) -> LayerResult:
+    """Replay one layer's (tokens, top_k) expert ids through ``policy`` with ``capacity`` slots,
+    starting empty or holding the experts ``initial`` (``policy`` then carries their history)."""
     rows = np.ascontiguousarray(np.sort(_distinct_rows(np.asarray(ids_l)), axis=1), dtype=np.int64)
     T, K = rows.shape
     E = policy.num_experts
@@ -122,7 +127,12 @@ def simulate_layer(ids_l: np.ndarray, policy: EvictionPolicy, capacity: int,
     rows_l = rows.tolist()
     resident = np.full(capacity, -1, dtype=np.int64)
     slot_of = [-1] * E
-    free = list(range(capacity - 1, -1, -1))    # pop() gives slot 0 first
+    held = [] if initial is None else np.asarray(initial, dtype=np.int64).tolist()
+    if len(held) > capacity:
+        raise ValueError(f"{len(held)} initial experts do not fit {capacity} slots")
+    for s, e in enumerate(held):
+        resident[s], slot_of[e] = e, s
+    free = list(range(capacity - 1, len(held) - 1, -1))    # pop() gives the lowest free slot first
     need = np.zeros(E, dtype=bool)
     on_access, on_insert, on_evict = policy.on_access, policy.on_insert, policy.on_evict
     hits = acc = misses_all = 0

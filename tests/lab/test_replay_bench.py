@@ -53,7 +53,7 @@ def test_bench_replay_report(model, tmp_path, capsys):
     if sys.platform.startswith("linux"):
         assert r["page_cache"]["method"].startswith("posix_fadvise") and r["page_cache"]["resident_share_after"] == 0.0
     assert "cannot know" in r["lookahead"]["note"]
-    assert r["workload"] == "replayed routing trace"
+    assert r["workload"] == "replay of t.npz"
 
 
 def test_bench_replay_trace_start_and_text(model, tmp_path, capsys):
@@ -91,3 +91,23 @@ def test_capped_child_entry_round_trips_the_report(model, tmp_path):
     r = finish(json.loads(out))
     assert r["t_compute_source"] == "earlier run" and r["routing"]["trace_start"] == 150 - 8
     assert r["bound_tok_s"] > 0 and "_tokens" not in r
+
+
+def test_bench_replay_series_says_replay(model, tmp_path, capsys):
+    """Variants side by side under replay: the figures say replay, the lookahead's hit rate is
+    reported as measured (its router cannot know the replayed route), ratios to the first."""
+    budget = checkpoint_footprint(model).budget_gib_for_slots(5)
+    argv = ["bench", str(model), "--budget-gib", str(budget), "--prompt-tokens", "8", "--gen-tokens", "6",
+            "--disk-gb", "0.005", "--stock", "yes", "--warmup-steps", "1", "--routing", str(_trace(tmp_path)),
+            "--variant", "off:prefetch=false", "--variant", "on:prefetch=true,prefetch_per_layer=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("workload      replay of t.npz")
+    assert "guessed right (replay: cannot know)" in out and "ratio to off" in out
+    assert main([*argv, "--json"]) == 0
+    (series,) = json.loads(capsys.readouterr().out)["series"]
+    off, on = (v["summary"] for v in series["variants"])
+    assert on["guess_hit_rate"] is not None and off["guess_hit_rate"] is None
+    assert off["replay_belady_misses_per_token"] <= off["replay_lru_misses_per_token"]
+    assert off["token_agreement_with_stock"] == on["token_agreement_with_stock"] == 1.0
+    assert on["ratio_to_first"]["decode_tok_s_rounds"] == [on["decode_tok_s"] / off["decode_tok_s"]]

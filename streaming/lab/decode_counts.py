@@ -1,0 +1,60 @@
+"""The timed decode's counters (benchmark lab code): the engine's per-layer stats when the first
+token is out and at the end, turned into what the decode tokens read and how the lookahead did.
+
+- by prediction: expert uses served by an expert the lookahead read ahead (in a slot when the
+  layer looked it up, first use since its read), against the uses that needed a read (those
+  plus the demand misses), and against all expert uses;
+- hidden: experts read (lookahead and demand alike) whose bytes were in when the compute thread
+  came for them, against those it waited for.
+"""
+
+from __future__ import annotations
+
+COUNTS = ("hits", "misses", "bytes_read", "read_seconds", "guesses", "guess_hits", "prefetch_reads",
+          "prefetch_hits", "reads_landed", "reads_waited", "skipped_misses", "bypassed")
+
+
+def per_layer_deltas(before: dict, after: dict) -> dict[str, dict]:
+    """{layer: {counter: after - before}} from two `handle.stats()["layers"]`."""
+    return {name: {k: now[k] - before[name].get(k, 0) for k in COUNTS} for name, now in after.items()}
+
+
+def summed(per_layer: dict[str, dict]) -> dict:
+    return {k: sum(layer[k] for layer in per_layer.values()) for k in COUNTS}
+
+
+def _share(part, whole):
+    return part / whole if whole else None
+
+
+def lookahead_figures(per_layer: dict[str, dict], tokens: int, layers_off: int, replayed: bool) -> dict:
+    t = summed(per_layer)
+    uses = t["hits"] + t["misses"]
+    return {
+        "guesses": t["guesses"],
+        "guess_hits": t["guess_hits"],
+        "guess_hit_rate": _share(t["guess_hits"], t["guesses"]),
+        "guesses_per_token": t["guesses"] / tokens,
+        "prefetch_reads": t["prefetch_reads"],
+        "prefetch_used": t["prefetch_hits"],
+        "by_prediction": t["prefetch_hits"],
+        "by_prediction_share": _share(t["prefetch_hits"], t["prefetch_hits"] + t["misses"]),
+        "by_prediction_share_of_uses": _share(t["prefetch_hits"], uses),
+        "layers_off": layers_off,
+        "guess_hit_rate_per_layer": {name: round(d["guess_hits"] / d["guesses"], 3)
+                                     for name, d in per_layer.items() if d["guesses"]},
+        # The probe applies the model's own router: under replay it cannot know the route.
+        "note": "router-based guesses; under replay the router cannot know the replayed route" if replayed else "",
+    }
+
+
+def read_figures(per_layer: dict[str, dict], tokens: int) -> dict:
+    t = summed(per_layer)
+    read = t["reads_landed"] + t["reads_waited"]
+    return {
+        "experts_read": read,
+        "experts_read_per_token": read / tokens,
+        "hidden": t["reads_landed"],
+        "waited": t["reads_waited"],
+        "hidden_share": _share(t["reads_landed"], read),
+    }
