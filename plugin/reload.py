@@ -85,7 +85,7 @@ class ReloadPlan:
 def plan_reload(old: Optional["HostConfig"], new: "HostConfig", memory_bytes: Optional[int] = None) -> ReloadPlan:
     """The one reload planner both hosts execute; `old` is None at start (everything is added).
     An entry changes when anything its model depends on does (`ModelEntry.fingerprint`)."""
-    from expert_stream.plugin.config import room_for_both
+    from expert_stream.plugin.admission import room_for_both
 
     before = old.by_id() if old else {}
     after = new.by_id()
@@ -108,6 +108,7 @@ class ModelState:
     state: str = "loading"  # loading | ready | draining | error
     error: Optional[str] = None
     settings: Optional[dict] = None
+    budget: Optional[dict] = None  # the budget now: {budget_gib, auto, ...the terms auto subtracted}
     loaded_at: Optional[float] = None
     load_seconds: Optional[float] = None
     stats: Optional[dict] = None  # last cache stats the serving process reported

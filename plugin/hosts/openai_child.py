@@ -12,21 +12,31 @@ KEY = "expert_stream"
 
 
 def child_worker(model_cfg_dict, queue_config, *rest):
-    from expert_stream.plugin.hosts.openai_server_compat import host_worker
+    from expert_stream.plugin.hosts import openai_server_compat as compat
 
     stream = queue_config.pop(KEY, None) if isinstance(queue_config, dict) else None
-    original = host_worker()  # this process never patched it: the host's own
+    original = compat.host_worker()  # this process never patched it: the host's own
     if stream is None:
         return original(model_cfg_dict, queue_config, *rest)
     from expert_stream.plugin.hosts import interception
 
     interception.install()
-    interception.set_targets({stream["model_path"]: interception.Target(stream["model_id"], stream["settings"])})
-    _add_stats_method()
+    interception.set_targets({stream["model_path"]: _target(stream)})
+    compat.add_handler_methods(expert_stream_stats=_expert_stream_stats,
+                               expert_stream_set_budget=_expert_stream_set_budget)
     try:
         return original(model_cfg_dict, queue_config, *rest)
     finally:
         interception.forget(stream["model_id"])
+
+
+def _target(stream: dict):
+    from expert_stream.plugin.hosts import interception
+    from expert_stream.streaming.auto_budget import HandedBudget
+
+    budget = stream.get("budget")
+    return interception.Target(stream["model_id"], stream["settings"], HandedBudget(**budget) if budget else None,
+                               trust_remote_code=stream.get("trust_remote_code", False))
 
 
 async def _expert_stream_stats(self):
@@ -35,9 +45,15 @@ async def _expert_stream_stats(self):
     return interception.stats()
 
 
-def _add_stats_method():
-    """The parent's status endpoint asks the child for cache stats through the host's own RPC
-    (it calls a handler method by name)."""
-    from app.handler.mlx_lm import MLXLMHandler
+async def _expert_stream_set_budget(self, model_id: str, budget: dict):
+    """The parent resolved this model's auto budget again (a model loaded or unloaded beside
+    it): the slots move now on the model's own thread, between two requests (or, on a host
+    without that thread, at each layer's next call). Returns the budget as it stands."""
+    from expert_stream.plugin.hosts import interception
+    from expert_stream.plugin.hosts import openai_server_compat as compat
+    from expert_stream.streaming.auto_budget import HandedBudget
 
-    MLXLMHandler.expert_stream_stats = _expert_stream_stats
+    status = interception.set_budget(model_id, HandedBudget(**budget))
+    if status is not None:
+        await compat.on_compute_thread(self, lambda: interception.apply_budget(model_id))
+    return status

@@ -28,6 +28,7 @@ def host_schema(name: str, internals) -> HostSchema:
         streamed_entry_check=_lm_only,
         entry_check=dataclass_check(internals.ModelEntryConfig, bounds=ENTRY_BOUNDS),
         top_level_check=_server_section_check(),
+        context_key="context_length" if "context_length" in internals.entry_fields else None,
     )
 
 

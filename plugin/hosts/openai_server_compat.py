@@ -154,6 +154,26 @@ def exit_code(proxy):
     return getattr(proxy._process, "exitcode", None)
 
 
-async def call(proxy, method: str):
+async def call(proxy, method: str, *args):
     """Call a method of the model process's handler through the proxy's RPC."""
-    return await proxy._call(method)
+    return await proxy._call(method, *args)
+
+
+# -- the model process's handler (in a child) ------------------------------------------------
+def add_handler_methods(**methods) -> None:
+    """Methods the parent calls on the model process's handler by name, through the host's own
+    RPC (`call`): the status endpoint's stats, a new budget."""
+    from app.handler.mlx_lm import MLXLMHandler
+
+    for name, method in methods.items():
+        setattr(MLXLMHandler, name, method)
+
+
+async def on_compute_thread(handler, fn) -> bool:
+    """Run `fn` on the thread where the handler runs its model (its inference worker), after
+    the request in flight; False, without running it, on a host version without that worker."""
+    worker = getattr(handler, "inference_worker", None)
+    if worker is None or not inspect.iscoroutinefunction(getattr(worker, "submit", None)):
+        return False
+    await worker.submit(fn)
+    return True
