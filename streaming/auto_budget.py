@@ -71,11 +71,11 @@ class AutoBudget:
 
     def lines(self) -> list[str]:
         """The breakdown, one term a line (plan and the logs print it)."""
-        out = [f"limit        {self.limit.bytes / GIB:10.3f} GiB  {self.limit.source}"]
-        out += [f"- {t.name:<11}{t.bytes / GIB:10.3f} GiB" + (f"  {t.note}" if t.note else "") for t in self.terms]
-        out.append(f"= free       {self.free / GIB:10.3f} GiB")
+        out = [f"limit        {self.limit.bytes / GIB:10.4f} GiB  {self.limit.source}"]
+        out += [f"- {t.name:<11}{t.bytes / GIB:10.4f} GiB" + (f"  {t.note}" if t.note else "") for t in self.terms]
+        out.append(f"= free       {self.free / GIB:10.4f} GiB")
         cap = " (every expert)" if self.bytes == self.expert_bytes else ""
-        out.append(f"budget       {self.bytes / GIB:10.3f} GiB{cap}; experts {self.expert_bytes / GIB:.3f} GiB, "
+        out.append(f"budget       {self.bytes / GIB:10.4f} GiB{cap}; experts {self.expert_bytes / GIB:.4f} GiB, "
                    f"smallest {self.smallest / GIB:.4f} GiB" + (f"; {self.share_note}" if self.share_note else ""))
         return out
 
@@ -166,7 +166,11 @@ def share(free: int, models: list[tuple[int, int]]) -> list[int]:
         left -= sum(portion.values())
         open_ = [i for i in open_ if models[i][0] > out[i]]
         if not any(portion.values()):
-            break  # what is left is a few bytes of rounding
+            break
+    for i in open_:  # the bytes of rounding
+        extra = min(left, models[i][0] - out[i])
+        out[i] += extra
+        left -= extra
     return out
 
 
