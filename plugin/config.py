@@ -112,10 +112,11 @@ class ModelEntry:
         if not self.streamed:
             return None
         if not self.settings.auto:
-            return {"budget_gib": self.settings.budget_gib, "auto": False}
+            return {"budget_gib": self.settings.budget_gib, "budget_bytes": self.settings.budget_bytes, "auto": False}
         if self.budget is None:  # not resolved here (a pipeline rank sizes its own layers)
             return {"budget_gib": "auto", "auto": True}
-        return {**(self.budget.explained or {}), "budget_gib": round(self.budget.bytes / (1 << 30), 4), "auto": True}
+        return {**(self.budget.explained or {}), "budget_gib": round(self.budget.bytes / (1 << 30), 4),
+                "budget_bytes": self.budget.bytes, "auto": True}
 
 
 @dataclass

@@ -80,7 +80,7 @@ class AutoBudget:
         return out
 
     def as_dict(self) -> dict:
-        return {"budget_gib": round(self.bytes / GIB, 4), "auto": True,
+        return {"budget_gib": round(self.bytes / GIB, 4), "budget_bytes": self.bytes, "auto": True,
                 "limit_gib": round(self.limit.bytes / GIB, 3), "limit_source": self.limit.source,
                 "terms": [{"name": t.name, "gib": round(t.bytes / GIB, 4), "note": t.note} for t in self.terms],
                 "free_gib": round(self.free / GIB, 4), "expert_gib": round(self.expert_bytes / GIB, 4),

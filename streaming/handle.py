@@ -26,7 +26,7 @@ class ModelBudget:
     explained: Optional[dict] = None  # auto: the limit and each term (AutoBudget.as_dict)
 
     def as_dict(self) -> dict:
-        out = {"budget_gib": round(self.target_bytes / GIB, 4), "auto": self.auto,
+        out = {"budget_gib": round(self.target_bytes / GIB, 4), "budget_bytes": self.target_bytes, "auto": self.auto,
                "expert_gib": round(self.expert_bytes / GIB, 4), "smallest_gib": round(self.smallest / GIB, 4),
                "context_length": self.context_length}
         if self.explained:

@@ -60,12 +60,16 @@ class OnlineBudget:
         self._asked = int(nbytes)
 
     def apply(self, layer) -> None:
-        """Before `layer` (a StreamedSwitch) computes a call."""
+        """Before `layer` (a StreamedSwitch) computes a call. Every call of every streamed layer
+        comes here: the common case (nothing to do) is three comparisons."""
+        stream = layer.store
+        rebalance_due = self.rebalancing and stream is self.curved[0] and stream.cache.step >= self._next
+        if self._asked == self.capacity and self.target[stream] == stream.cache.num_slots and not rebalance_due:
+            return
         with self._lock:
             if self._asked != self.capacity:
                 self._retarget(self._asked)
-            stream = layer.store
-            if self.rebalancing and stream is self.curved[0] and stream.cache.step >= self._next:
+            if rebalance_due:
                 self._next = stream.cache.step + REBALANCE_EVERY
                 new = rebalance([s.cache.curve for s in self.curved], [self.target[s] for s in self.curved], self.floor)
                 self.target.update({s: min(n, s.cache.num_experts) for s, n in zip(self.curved, new)})

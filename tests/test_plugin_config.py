@@ -159,4 +159,4 @@ def test_sample_configs_parse(openai_schema):
     config = load_host_config(samples / "mlx-openai-server.yaml", openai_schema, check_models=False)
     assert [e.streamed for e in config.entries] == [True, False]
     config = load_host_config(samples / "mlx_lm_server.yaml", MLX_LM_SERVER.schema(), check_models=False)
-    assert [e.settings.budget_gib for e in config.entries] == [6, 12]
+    assert [e.settings.budget_gib for e in config.entries] == ["auto", 12]

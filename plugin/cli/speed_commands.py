@@ -10,10 +10,16 @@ from pathlib import Path
 from expert_stream.streaming.errors import SettingsError
 
 
+def budget_arg(text: str):
+    """--budget-gib: a number of GiB or `auto`."""
+    return text if text == "auto" else float(text)
+
+
 def register(sub) -> None:
     b = sub.add_parser("bench", help="decode/prefill speed vs the disk+compute bound and stock mlx-lm")
     b.add_argument("model_dir")
-    b.add_argument("--budget-gib", type=float, required=True)
+    b.add_argument("--budget-gib", type=budget_arg, default="auto",
+                   help="GiB of expert slots, or auto (the default: fit to memory, e.g. under --memory-cap)")
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--gen-tokens", type=int, default=64)
     b.add_argument("--stock", choices=("auto", "yes", "no"), default="auto",
@@ -41,7 +47,7 @@ def register(sub) -> None:
     t = sub.add_parser("trace", help="record routing on a text corpus into a trace file")
     t.add_argument("model_dir")
     t.add_argument("--out", required=True, help="trace file to write (.npz, the shared trace format)")
-    t.add_argument("--budget-gib", type=float, required=True)
+    t.add_argument("--budget-gib", type=budget_arg, default="auto")
     t.add_argument("--corpus", default=None, help="text file; documents separated by blank lines "
                    "(default: the project's embedded English text)")
     t.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated after each document")
