@@ -60,7 +60,7 @@ class AutoBudget:
         taken = ", ".join(f"{t.name} {t.bytes / GIB:.3f} GiB" + (f" ({t.note})" if t.note else "") for t in self.terms)
         return (f"{self.model}: budget_gib auto leaves {max(self.free, 0) / GIB:.3f} GiB for expert slots, below the "
                 f"smallest budget of {self.smallest / GIB:.4f} GiB (one token's experts in every MoE layer): the "
-                f"limit is {self.limit.bytes / GIB:.2f} GiB ({self.limit.source}), and {taken}; free memory (a "
+                f"limit is {self.limit.bytes / GIB:.2f} GiB ({self.limit.source}), taken by {taken}; free memory (a "
                 "smaller context_length, fewer models), raise the limit (memory_gib), or set a budget_gib number "
                 "and accept the risk")
 
@@ -74,6 +74,9 @@ class AutoBudget:
         out = [f"limit        {self.limit.bytes / GIB:10.4f} GiB  {self.limit.source}"]
         out += [f"- {t.name:<11}{t.bytes / GIB:10.4f} GiB" + (f"  {t.note}" if t.note else "") for t in self.terms]
         out.append(f"= free       {self.free / GIB:10.4f} GiB")
+        if self.free < self.smallest:
+            out.append(f"budget             none: below the smallest, {self.smallest / GIB:.4f} GiB")
+            return out
         cap = " (every expert)" if self.bytes == self.expert_bytes else ""
         out.append(f"budget       {self.bytes / GIB:10.4f} GiB{cap}; experts {self.expert_bytes / GIB:.4f} GiB, "
                    f"smallest {self.smallest / GIB:.4f} GiB" + (f"; {self.share_note}" if self.share_note else ""))
