@@ -147,6 +147,11 @@ REMOVED = {
 }
 
 
+def budget_from_text(text: str):
+    """budget_gib as a command line gives it: `auto` or a number of GiB."""
+    return text if text == AUTO else float(text)
+
+
 def refuse_removed(keys, where: str = "settings") -> None:
     """Raise SettingsError naming the first removed setting among `keys`, and why it went."""
     for key in sorted(set(map(str, keys)) & set(REMOVED)):

@@ -91,19 +91,19 @@ def test_two_auto_entries_share_the_free_memory(tmp_path, models, openai_schema)
 
 def test_a_number_wins_and_auto_takes_the_rest(tmp_path, models, openai_schema):
     size = sizes(tmp_path, openai_schema, models)
-    (ea, sa, fa), (eb, sb, fb) = size["a"], size["b"]
+    (ea, _, fa), (eb, _, fb) = size["a"], size["b"]
     number = eb // 2
     number_gib = number / GIB
     config = load(tmp_path, openai_schema, config_text(models, fa + fb + number + ea // 3, b_budget=repr(number_gib)))
     a, b = config.entries
     assert b.budget is None and b.settings.budget_gib == number_gib
-    assert b.budget_status() == {"budget_gib": number_gib, "auto": False}
+    assert b.budget_status() == {"budget_gib": number_gib, "budget_bytes": number, "auto": False}
     assert a.budget.bytes == ea // 3
 
 
 def test_one_model_at_a_time_sizes_each_alone(tmp_path, models):
     size = sizes(tmp_path, MLX_LM_SERVER.schema(), models, host_context=False)
-    (ea, sa, fa), (eb, sb, fb) = size["a"], size["b"]
+    (ea, _, fa), (eb, _, fb) = size["a"], size["b"]
     limit = fb + eb // 2  # b gets half its experts; a, alone too, gets what is left beside its own terms
     config = load(tmp_path, MLX_LM_SERVER.schema(), config_text(models, limit, host_context=False))
     a, b = config.entries
@@ -114,7 +114,7 @@ def test_one_model_at_a_time_sizes_each_alone(tmp_path, models):
 
 def test_the_smallest_budget_that_does_not_fit_is_refused_by_name(tmp_path, models, openai_schema):
     size = sizes(tmp_path, openai_schema, models)
-    (ea, sa, fa), (eb, sb, fb) = size["a"], size["b"]
+    (_, sa, fa), (_, sb, fb) = size["a"], size["b"]
     with pytest.raises(ConfigError) as err:
         load(tmp_path, openai_schema, config_text(models, fa + fb + sa + sb // 2))
     message = str(err.value)
@@ -129,7 +129,7 @@ def test_the_smallest_budget_that_does_not_fit_is_refused_by_name(tmp_path, mode
 
 def test_an_auto_entry_keeps_its_fingerprint_when_its_number_changes(tmp_path, models, openai_schema):
     size = sizes(tmp_path, openai_schema, models)
-    (ea, sa, fa), (eb, sb, fb) = size["a"], size["b"]
+    (ea, _, fa), (eb, _, fb) = size["a"], size["b"]
     before = load(tmp_path, openai_schema, config_text(models, fa + fb + (ea + eb) // 3))
     after = load(tmp_path, openai_schema, config_text(models, fa + fb + (ea + eb) // 2))
     assert after.entries[0].budget.bytes > before.entries[0].budget.bytes

@@ -5,8 +5,6 @@ answer equals stock's greedy answer."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from plugin_fixtures import (
@@ -88,7 +86,7 @@ def test_models_share_memory_and_a_removal_grows_the_other(server, models, sizes
     for name in ("a", "b"):
         assert chat_text(host.base, name, PROMPT, 16) == expected[name]
     before = status(host)["models"]
-    (ea, fa), (eb, fb) = sizes["a"], sizes["b"]
+    ea, eb = sizes["a"][0], sizes["b"][0]
     budget_a = before["a"]["budget"]
     assert budget_a["auto"] and 0 < budget_a["budget_bytes"] < ea
     assert budget_a["budget_bytes"] + before["b"]["budget"]["budget_bytes"] == (ea + eb) // 2

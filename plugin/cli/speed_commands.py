@@ -8,17 +8,13 @@ import sys
 from pathlib import Path
 
 from expert_stream.streaming.errors import SettingsError
-
-
-def budget_arg(text: str):
-    """--budget-gib: a number of GiB or `auto`."""
-    return text if text == "auto" else float(text)
+from expert_stream.streaming.settings import budget_from_text
 
 
 def register(sub) -> None:
     b = sub.add_parser("bench", help="decode/prefill speed vs the disk+compute bound and stock mlx-lm")
     b.add_argument("model_dir")
-    b.add_argument("--budget-gib", type=budget_arg, default="auto",
+    b.add_argument("--budget-gib", type=budget_from_text, default="auto",
                    help="GiB of expert slots, or auto (the default: fit to memory, e.g. under --memory-cap)")
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--gen-tokens", type=int, default=64)
@@ -47,7 +43,7 @@ def register(sub) -> None:
     t = sub.add_parser("trace", help="record routing on a text corpus into a trace file")
     t.add_argument("model_dir")
     t.add_argument("--out", required=True, help="trace file to write (.npz, the shared trace format)")
-    t.add_argument("--budget-gib", type=budget_arg, default="auto")
+    t.add_argument("--budget-gib", type=budget_from_text, default="auto")
     t.add_argument("--corpus", default=None, help="text file; documents separated by blank lines "
                    "(default: the project's embedded English text)")
     t.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated after each document")

@@ -20,6 +20,7 @@ from expert_stream.plugin.hosts.mlx_lm_routes import patch_handler
 from expert_stream.plugin.redact import redacting_calls
 from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
     unchanged_file
+from expert_stream.streaming.errors import BudgetError
 
 log = logging.getLogger("expert_stream")
 
@@ -159,8 +160,14 @@ class LmServerState:
                     self.record.models[model_id].state = "pending reload"
             for model_id in plan.unchanged:  # a budget resolved anew is followed, not reloaded
                 entry = new.by_id()[model_id]
-                if entry.budget is not None:
+                if entry.budget is None:
+                    continue
+                try:
                     interception.set_budget(model_id, entry.budget)
+                except BudgetError as exc:  # layers left as stock blocks cannot give experts back
+                    log.warning("expert-stream: %s reloads at its next request for its new budget: %s", model_id, exc)
+                    with self.lock:
+                        self.stale.add(str(entry.resolved_path()))
             self.record.last_error = self.record.failed_hash = None
             self.record.applied(plan, reason, round(time.perf_counter() - t0, 3),
                                 note="a changed model reloads at its next request")
