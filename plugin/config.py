@@ -19,9 +19,11 @@ from typing import Any, Callable, Optional
 import yaml
 
 from expert_stream.plugin import yaml_limits
+from expert_stream.plugin.admission import AdmissionError, admit
 from expert_stream.plugin.paths import expand, is_folder, looks_like_hub_id, resolve_model_path
+from expert_stream.streaming.auto_budget import HEADROOM_GIB
 from expert_stream.streaming.errors import ExpertStreamError, SettingsError
-from expert_stream.streaming.settings import GIB, StreamSettings, refuse_removed
+from expert_stream.streaming.settings import StreamSettings, refuse_removed
 
 log = logging.getLogger("expert_stream")
 
@@ -29,8 +31,6 @@ KEY = "expert_stream"
 # A streamed model waits on the SSD: prefill of a long prompt can take minutes, and the host's
 # queue_timeout is also its per-chunk stream timeout. One hour, unless the entry sets its own.
 STREAMED_QUEUE_TIMEOUT_S = 3600
-# Memory kept free beside each model for its KV cache, MLX's buffer cache and the process.
-DEFAULT_HEADROOM_GIB = 1.0
 # Host entry keys that name files or folders (expanded like model_path).
 PATH_KEYS = frozenset({"adapter_path", "draft_model_path", "chat_template_file", "lora_paths"})
 
@@ -49,8 +49,8 @@ class PluginOptions:
     debounce_seconds: float = 0.5
     drain_timeout_s: float = 600.0  # in-flight requests get this long before they are cut off
     queue_timeout: int = STREAMED_QUEUE_TIMEOUT_S
-    memory_gib: Optional[float] = None  # None: the machine's RAM
-    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    memory_gib: Optional[float] = None  # None: what this process may use (streaming/memory_limit.py)
+    headroom_gib: float = HEADROOM_GIB  # kept free beside each model's process
     reload_endpoint: bool = True
     defaults: dict = field(default_factory=dict)
 
@@ -78,6 +78,8 @@ class HostSchema:
     streamed_entry_check: Optional[Callable[[dict], Optional[str]]] = None  # entry -> why it cannot stream
     entry_check: Optional[Callable[[dict], Optional[str]]] = None  # entry -> what the host's own schema refuses
     top_level_check: Optional[Callable[[dict], Optional[str]]] = None  # top level -> what the host refuses
+    context_key: Optional[str] = None  # the entry key of the host's own context length, if it has one
+    one_model_at_a_time: bool = False  # the host holds one model at a time (else all of them at once)
 
 
 @dataclass
@@ -89,6 +91,9 @@ class ModelEntry:
     settings: Optional[StreamSettings]  # None: not streamed, the host loads it as always
     resident_bytes: int  # memory admission estimate (0 when the size is unknown)
     footprint: Any = None  # streaming.footprint.Footprint for streamed entries
+    # An auto entry's budget, resolved with every other entry (admission.py); not part of the
+    # fingerprint: a number resolved differently changes no model, its budget just follows.
+    budget: Any = None  # streaming.auto_budget.HandedBudget
 
     @property
     def streamed(self) -> bool:
@@ -102,6 +107,17 @@ class ModelEntry:
 
     def resolved_path(self) -> Path:
         return Path(self.model_path).expanduser().resolve()
+
+    def budget_status(self) -> Optional[dict]:
+        """The budget as status shows it: the number set, or auto's pick and why (None: not streamed)."""
+        if not self.streamed:
+            return None
+        if not self.settings.auto:
+            return {"budget_gib": self.settings.budget_gib, "budget_bytes": self.settings.budget_bytes, "auto": False}
+        if self.budget is None:  # not resolved here (a pipeline rank sizes its own layers)
+            return {"budget_gib": "auto", "auto": True}
+        return {**(self.budget.explained or {}), "budget_gib": round(self.budget.bytes / (1 << 30), 4),
+                "budget_bytes": self.budget.bytes, "auto": True}
 
 
 @dataclass
@@ -223,7 +239,10 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
         entries.append(entry)
     config = HostConfig(path, text_hash, options, top_level, entries, schema)
     if check_models:
-        admit(config, memory_bytes)
+        try:
+            admit(config, memory_bytes)
+        except AdmissionError as exc:
+            raise ConfigError(str(exc)) from None
     return config
 
 
@@ -270,6 +289,11 @@ def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: Plug
         values = {**options.defaults, **(block if isinstance(block, dict) else {})}
         if isinstance(values.get("warm_start"), str):
             values["warm_start"] = expand(values["warm_start"])
+        if schema.context_key and "context_length" in values:
+            raise ConfigError(f"{where}.{KEY}.context_length: {schema.name} has its own `{schema.context_key}` on "
+                              "the entry (it also bounds the host's KV cache): set that instead")
+        if schema.context_key and isinstance(host_entry.get(schema.context_key), int):
+            values["context_length"] = host_entry[schema.context_key]  # the KV an auto budget leaves room for
         settings = _settings(where, values)
         if schema.queue_timeout_key:
             host_entry.setdefault(schema.queue_timeout_key, options.queue_timeout)
@@ -292,9 +316,9 @@ def _settings(where: str, values: dict) -> StreamSettings:
     from expert_stream.streaming.errors import SettingsError
 
     # PyYAML reads `5e-05` (no dot) as a string; for a float setting that is surely a number.
-    floats = {f.name for f in dataclasses.fields(StreamSettings) if "float" in str(f.type)}
+    floats = {f.name for f in dataclasses.fields(StreamSettings) if "float" in str(f.type)} | {"budget_gib"}
     for key in floats & set(values):
-        if isinstance(values[key], str):
+        if isinstance(values[key], str) and values[key] != "auto":
             try:
                 values[key] = float(values[key])
             except ValueError:
@@ -306,11 +330,11 @@ def _settings(where: str, values: dict) -> StreamSettings:
 
 
 def _check_model(where: str, entry: ModelEntry) -> None:
-    """Read the checkpoint's headers: path, MoE-ness, the smallest budget, memory estimate."""
+    """Read the checkpoint's headers: the load checks (streaming/load_checks.py), then its sizes;
+    memory admission follows, over every entry."""
     from expert_stream.plugin import plugins
     from expert_stream.streaming.checkpoint import CheckpointIndex
-    from expert_stream.streaming.errors import SettingsError
-    from expert_stream.streaming.remote_code import refuse_model_file
+    from expert_stream.streaming.load_checks import check_budget, check_checkpoint
 
     model_dir = Path(entry.model_path).expanduser()
     if not entry.streamed:
@@ -325,31 +349,19 @@ def _check_model(where: str, entry: ModelEntry) -> None:
                 if looks_like_hub_id(entry.model_path) else "")
         raise ConfigError(f"{where}: model_path {entry.model_path} is not a folder{hint}; a streamed model "
                           "must be a local MLX checkpoint (download it first, e.g. `hf download ID`)")
-    try:
-        refuse_model_file(model_dir, entry.host_entry.get("trust_remote_code") is True)  # before the footprint builds it
-        index = CheckpointIndex(model_dir)
-    except ExpertStreamError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
     pm = plugins.get_plugin_manager()
-    if not pm.hook.detect_moe(index=index):
-        raise ConfigError(f"{where}: {model_dir} (model_type {index.model_type!r}) is not an MoE checkpoint: "
-                          f"there are no routed experts to stream; remove its {KEY} block to serve it as the "
-                          "host would")
-    entry.footprint = footprint(model_dir, plugins.architectures(pm), entry.host_entry.get("trust_remote_code") is True)
-    fp = entry.footprint
-    if entry.settings.budget_bytes < fp.min_budget_bytes:
-        raise ConfigError(f"{where}.{KEY}.budget_gib: {entry.settings.budget_gib} GiB cannot hold one token's "
-                          f"experts ({fp.top_k} per layer in {len(fp.layer_expert_bytes)} MoE layers); the "
-                          f"smallest budget is {fp.min_budget_gib:.4f} GiB")
-    top_k = entry.settings.top_k_override
-    if top_k is not None and fp.top_k and top_k > fp.top_k:
-        raise ConfigError(f"{where}.{KEY}.top_k_override: {top_k} is more than the {fp.top_k} experts per token "
-                          f"that {model_dir}/config.json routes to; the override can only lower it")
+    trust = entry.host_entry.get("trust_remote_code") is True
     try:
-        pm.hook.validate_settings(settings=entry.settings, model_path=str(model_dir), where=f"{where}.{KEY}")
-    except SettingsError as exc:
-        raise ConfigError(str(exc)) from None
-    entry.resident_bytes = fp.trunk_bytes + min(entry.settings.budget_bytes, fp.expert_bytes)
+        check_checkpoint(model_dir, entry.settings, f"{where}.{KEY}", plugins.load_hooks(pm), trust)
+        entry.footprint = fp = footprint(model_dir, plugins.architectures(pm), trust)
+        if not entry.settings.auto:
+            check_budget(entry.settings.budget_bytes, fp.min_budget_bytes, fp.top_k, len(fp.layer_expert_bytes),
+                         f"{where}.{KEY}")
+    except ConfigError:
+        raise
+    except ExpertStreamError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
 
 
 _FOOTPRINTS: dict = {}
@@ -375,41 +387,3 @@ def footprint(model_dir: Path, architectures, trust_remote_code: bool = False):
 def _dir_identity(model_dir: Path) -> tuple:
     return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                         for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors")))
-
-
-def memory_limit(options: PluginOptions, memory_bytes: Optional[int] = None) -> int:
-    if options.memory_gib is not None:
-        return int(options.memory_gib * GIB)
-    if memory_bytes is not None:
-        return memory_bytes
-    import psutil
-
-    return psutil.virtual_memory().total
-
-
-def admit(config: HostConfig, memory_bytes: Optional[int] = None) -> None:
-    """Every model's trunk + budget (or its full size, if not streamed) + headroom must fit:
-    the first entry that would not is refused, by name, before anything loads."""
-    limit = memory_limit(config.options, memory_bytes)
-    headroom = int(config.options.headroom_gib * GIB)
-    used = 0
-    for entry in config.entries:
-        need = entry.resident_bytes + headroom
-        if used + need > limit:
-            what = ("trunk + budget" if entry.streamed else "the whole model (not streamed)")
-            hint = ("lower its budget_gib or remove a model" if entry.streamed
-                    else "stream it with an expert_stream block, or remove a model")
-            raise ConfigError(
-                f"{config.path}: models[{entry.index}] ({entry.model_id}) does not fit in memory: it needs "
-                f"{need / GIB:.2f} GiB ({what} + {config.options.headroom_gib} GiB headroom) and the models "
-                f"before it take {used / GIB:.2f} GiB of {limit / GIB:.2f} GiB; {hint}"
-            )
-        used += need
-
-
-def room_for_both(config: HostConfig, old: ModelEntry, memory_bytes: Optional[int] = None) -> bool:
-    """Whether `old` (an entry of the applied config) can stay loaded while all of `config`
-    is: then a changed entry loads its new model before the old one is unloaded."""
-    headroom = int(config.options.headroom_gib * GIB)
-    used = sum(e.resident_bytes + headroom for e in config.entries)
-    return used + old.resident_bytes + headroom <= memory_limit(config.options, memory_bytes)

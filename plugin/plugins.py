@@ -98,3 +98,16 @@ def hosts(pm: pluggy.PluginManager | None = None) -> dict:
 def plugin_names(pm: pluggy.PluginManager | None = None) -> list[str]:
     pm = pm or get_plugin_manager()
     return sorted(name for name, plugin in pm.list_name_plugin() if plugin is not None)
+
+
+def load_hooks(pm: pluggy.PluginManager | None = None):
+    """What the plugins add to the engine's load checks (streaming/load_checks.LoadHooks): the
+    registered architectures and the detect_moe and validate_settings hooks."""
+    from expert_stream.streaming.load_checks import LoadHooks
+
+    pm = pm or get_plugin_manager()
+
+    def validate_settings(settings, model_path, where):
+        pm.hook.validate_settings(settings=settings, model_path=model_path, where=where)
+
+    return LoadHooks(architectures(pm), lambda index: bool(pm.hook.detect_moe(index=index)), validate_settings)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from expert_stream.plugin.config import ConfigError, HostConfig, ModelEntry, room_for_both
+from expert_stream.plugin.admission import room_for_both
+from expert_stream.plugin.config import ConfigError, HostConfig, ModelEntry
 
 
 class FileWatcher:
@@ -105,6 +106,7 @@ class ModelState:
     state: str = "loading"  # loading | ready | draining | error
     error: Optional[str] = None
     settings: Optional[dict] = None
+    budget: Optional[dict] = None  # the budget now: {budget_gib, auto, ...the terms auto subtracted}
     loaded_at: Optional[float] = None
     load_seconds: Optional[float] = None
     stats: Optional[dict] = None  # last cache stats the serving process reported

@@ -1,8 +1,8 @@
 """The engine: exact expert streaming from safetensors for mlx-lm MoE models.
 
 Knows nothing of servers. `load` builds a model whose routed experts are read from the
-checkpoint's shards into a fixed-budget per-layer cache; `attach` does the swap on a model a
-host already built lazily.
+checkpoint's shards into a per-layer slot cache whose budget fits to memory or is set;
+`loader.load_streamed` is the one load path under it (a host passes its own lazy build).
 """
 
 from .errors import (
@@ -17,8 +17,8 @@ from .settings import StreamSettings
 
 
 def __getattr__(name):
-    # load/attach import mlx-lm; keep `import expert_stream.streaming` light for the CLI.
-    if name in ("load", "attach"):
+    # load imports mlx-lm; keep `import expert_stream.streaming` light for the CLI.
+    if name == "load":
         from . import loader
 
         return getattr(loader, name)
@@ -30,6 +30,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "load", "attach", "StreamHandle", "StreamSettings",
+    "load", "StreamHandle", "StreamSettings",
     "ExpertStreamError", "CheckpointError", "ReadError", "BudgetError", "SettingsError", "NotMoEError",
 ]

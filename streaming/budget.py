@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .errors import BudgetError
-from .settings import GIB, StreamSettings
 from .slots import ExpertTensor, expert_bytes
 from .warm_start import slots_from_curves
 
@@ -28,35 +25,28 @@ class LayerPlan:
 
 def plan_layers(
     layers: list[tuple[str, list[ExpertTensor]]],
-    settings: StreamSettings,
+    budget_bytes: int,
+    resident: bool,
     top_k: int | None,
-    model_dir: Path,
     hit_curves: list | None = None,
 ) -> list[LayerPlan]:
     """Slots per layer: evenly (as many in every layer as the budget pays for), or, given
-    measured hit curves (warm_start.lru_hit_curve per layer), where they gain the most hits."""
+    measured hit curves (warm_start.lru_hit_curve per layer), where they gain the most hits.
+    The budget holds one token's experts in every layer (load_checks.check_budget said so).
+    `resident`: a layer whose share holds all its experts stays a stock block."""
     sizes = [expert_bytes(tensors) for _, tensors in layers]
     counts = [tensors[0].num_experts for _, tensors in layers]
-    per_slot_row = sum(sizes)  # one slot in every layer
-    slots = settings.budget_bytes // per_slot_row
     need = max(top_k or 1, 1)
-    if slots < need:
-        smallest = need * per_slot_row / GIB
-        raise BudgetError(
-            f"{model_dir}: budget_gib={settings.budget_gib} pays for {slots} expert slot(s) per "
-            f"MoE layer, but each token is routed to {need} experts in every one of the "
-            f"{len(layers)} MoE layers; the smallest budget is {smallest:.3f} GiB"
-        )
-    per_layer = [slots] * len(layers)
+    per_layer = [budget_bytes // sum(sizes)] * len(layers)  # one slot in every layer, as many as it pays for
     if hit_curves is not None:
-        per_layer = slots_from_curves(hit_curves, sizes, settings.budget_bytes, need)
+        per_layer = slots_from_curves(hit_curves, sizes, budget_bytes, need)
     return [
         LayerPlan(
             path=path,
             num_experts=count,
             num_slots=min(n, count),
             expert_bytes=size,
-            resident=settings.resident and n >= count,
+            resident=resident and n >= count,
         )
         for (path, _), size, count, n in zip(layers, sizes, counts, per_layer)
     ]

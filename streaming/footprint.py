@@ -1,14 +1,16 @@
 """What a checkpoint costs in memory, from headers and a lazily built model (no tensor data is
-read): trunk bytes, routed-expert bytes per layer, and the smallest budget that can stream it."""
+read): trunk bytes, routed-expert bytes per layer, the smallest budget that can stream it, and
+its KV cache per token (kv_cost.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from .architectures import ArchitectureSpec, check_streamable, find_expert_blocks, spec_for
+from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
 from .checkpoint import CheckpointIndex
 from .errors import NotMoEError
+from .kv_cost import KVCost, kv_cost
 from .settings import GIB
 from .slots import expert_bytes
 
@@ -24,6 +26,7 @@ class Footprint:
     top_k: int | None
     # tensors on disk that stock mlx-lm's sanitize drops at load (an MTP head, a vision tower)
     dropped_bytes: int = 0
+    kv: KVCost | None = None  # one sequence's caches by its length
 
     @property
     def loaded_bytes(self) -> int:
@@ -63,6 +66,13 @@ def checkpoint_footprint(
     """Sizes of a checkpoint's trunk and experts, from its headers and a lazily built model
     (`trust_remote_code`: the caller checked that its `model_file`, if any, may run)."""
     index, model, spec, layers = expert_layers(path, architectures, trust_remote_code)
+    return measure(index, model, spec, layers)
+
+
+def measure(index: CheckpointIndex, model, spec: ArchitectureSpec, layers: list) -> Footprint:
+    """The footprint of a lazily built, never evaluated `model` whose MoE layers hold `layers`
+    (each an ExpertTensor list). Calls the model lazily to size its caches: before any block
+    is swapped for a streamed one (a streamed layer reads its routing)."""
     per_layer = tuple(expert_bytes(t) for t in layers)
     counts = tuple(t[0].num_experts for t in layers)
     return Footprint(
@@ -74,6 +84,7 @@ def checkpoint_footprint(
         num_experts=counts,
         top_k=spec.experts_per_token(index.config),
         dropped_bytes=index.total_bytes() - _loaded_bytes(index, model, spec),
+        kv=kv_cost(model, index.config),
     )
 
 
@@ -81,11 +92,11 @@ def expert_layers(path, architectures=None, trust_remote_code: bool = False):
     """-> (index, lazily built model, spec, each MoE layer's ExpertTensor list), no data read."""
     from mlx_lm.utils import load_model
 
-    from .loader import expert_tensors
+    from .load_checks import LoadHooks, check_checkpoint
+    from .expert_layout import expert_tensors
     from .remote_code import trusted
 
-    index = CheckpointIndex(path)
-    check_streamable(index.model_type, index.model_dir)
+    index = check_checkpoint(path, None, str(path), LoadHooks(architectures), trust_remote_code)
     model, _ = load_model(index.model_dir, lazy=True, **trusted(load_model, trust_remote_code))
     spec = spec_for(index.model_type, architectures)
     blocks = find_expert_blocks(model, spec)

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
 
 from .cache import LayerStats
+from .errors import BudgetError
 from .recorder import TraceRecorder
+from .settings import GIB
+
+
+@dataclass
+class ModelBudget:
+    """One model's budget as it stands: the number set, or what auto picked and why. The handle
+    writes it (set_budget); the ledger and status read it."""
+
+    auto: bool
+    target_bytes: int  # slots of every MoE layer together may hold this much
+    expert_bytes: int  # every routed expert of the model
+    smallest: int  # one token's experts in every MoE layer
+    context_length: int  # tokens of KV cache set aside beside it
+    explained: Optional[dict] = None  # auto: the limit and each term (AutoBudget.as_dict)
+
+    def as_dict(self) -> dict:
+        out = {"budget_gib": round(self.target_bytes / GIB, 4), "budget_bytes": self.target_bytes, "auto": self.auto,
+               "expert_gib": round(self.expert_bytes / GIB, 4), "smallest_gib": round(self.smallest / GIB, 4),
+               "context_length": self.context_length}
+        if self.explained:
+            out["why"] = {k: v for k, v in self.explained.items() if k not in out}
+        return out
 
 
 class StreamHandle:
-    def __init__(self, index, settings, layers, plans, reader, model, warm_start_bytes=0):
+    def __init__(self, index, settings, layers, plans, reader, model, warm_start_bytes=0, budget=None):
         self.index = index
         self.settings = settings
         self.layers = layers  # StreamedSwitch per streamed layer, in model order
@@ -18,6 +44,9 @@ class StreamHandle:
         self.reader = reader
         self.model = model
         self.warm_start_bytes = warm_start_bytes  # read at load to preload the trace's experts
+        self.budget = budget  # ModelBudget
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def model_path(self):
@@ -25,8 +54,40 @@ class StreamHandle:
 
     @property
     def budget_bytes(self) -> int:
-        """Bytes of slot memory actually allocated (at most the budget)."""
-        return sum(p.slot_bytes for p in self.plans if not p.resident)
+        """Bytes of slot memory allocated now (at most the budget)."""
+        return self.resident_bytes + sum(s.slots.nbytes for s in self.streams)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Experts of the layers left as stock blocks: held for the model's life."""
+        return sum(p.slot_bytes for p in self.plans if p.resident)
+
+    @property
+    def online_budget(self):
+        return self.layers[0].online_budget if self.layers else None
+
+    def set_budget(self, nbytes: int, explained: Optional[dict] = None) -> None:
+        """A new budget (another model loaded or unloaded beside this one): each streamed layer
+        follows at its next call, shrinking ones first, so the slots never exceed it once they
+        have run (`apply_budget` moves them all at once). Raises BudgetError when the model
+        cannot run with that little."""
+        nbytes = min(int(nbytes), max(self.budget.expert_bytes, self.resident_bytes))
+        room = nbytes - self.resident_bytes
+        if nbytes < self.budget.smallest or (self.online_budget is None and room < 0):
+            raise BudgetError(f"{self.model_path}: a budget of {nbytes / GIB:.4f} GiB is below what it needs "
+                              f"({max(self.budget.smallest, self.resident_bytes) / GIB:.4f} GiB)")
+        with self._lock:
+            if self.online_budget is not None:
+                self.online_budget.set_capacity(room)
+            self.budget.target_bytes = nbytes
+            if explained is not None:
+                self.budget.explained = explained
+
+    def apply_budget(self) -> None:
+        """Move every layer's slots to the budget now: only while no forward pass of this
+        model runs (a host calls it between two requests, on its compute thread)."""
+        if self.online_budget is not None:
+            self.online_budget.apply_all()
 
     def stats(self) -> dict:
         """Totals and per-layer counters (hits, misses, evictions, bytes, read seconds)."""
@@ -40,6 +101,7 @@ class StreamHandle:
         total["hit_rate"] = total["hits"] / uses if uses else 0.0
         return {
             "model_path": str(self.model_path),
+            "budget": self.budget.as_dict(),
             "streamed_layers": len(self.streams),
             "resident_layers": sum(p.resident for p in self.plans),
             "slot_bytes": self.budget_bytes,
@@ -83,7 +145,15 @@ class StreamHandle:
                 layer.time_compute_only(False)
 
     def close(self) -> None:
+        """Release the reader; the other models loaded in this process may grow into what this
+        one held (their auto budgets)."""
+        from .auto_budget import LEDGER
+
+        if self._closed:
+            return
+        self._closed = True
         self.reader.close()
+        LEDGER.remove(self)
 
     def __enter__(self):
         return self

@@ -1,27 +1,36 @@
 """Loading: build the stock mlx-lm model lazily, swap every routed-expert block for a streamed
 one before anything is evaluated, then evaluate the trunk. Expert tensors never materialize:
-the lazy arrays `mlx_lm.utils.load_model(lazy=True)` made for them are dropped unevaluated."""
+the lazy arrays `mlx_lm.utils.load_model(lazy=True)` made for them are dropped unevaluated.
+
+`load_streamed` is the one load path: the library (`load`), the hosts (a host's own
+`load_model` call, intercepted, passes it as `build`) and pipeline ranks all go through it, and
+it runs the one list of checks (load_checks.py) before anything loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .architectures import ArchitectureSpec, check_streamable, find_expert_blocks, spec_for
+from . import footprint as footprints
+from .architectures import find_expert_blocks, spec_for
+from .auto_budget import HEADROOM_GIB, LEDGER, HandedBudget, ProcessMemory, alone
 from .budget import HitCurve, LayerPlan, plan_layers
 from .cache import ExpertCache, LayerStats
 from .checkpoint import CheckpointIndex, NeededTensors
-from .errors import CheckpointError, NotMoEError, SettingsError
-from .handle import StreamHandle
+from .errors import NotMoEError, SettingsError
+from .handle import ModelBudget, StreamHandle
+from .load_checks import LoadHooks, check_budget, check_checkpoint
 from .reader import ExpertReader
-from .remote_code import refuse_model_file, trusted
+from .remote_code import trusted
 from .settings import GIB, StreamSettings
-from .slots import ExpertSlots, ExpertTensor, resolve_slot_write
+from .slots import ExpertSlots, resolve_slot_write
+from .expert_layout import expert_tensors
 from .expert_store import ExpertStore
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
@@ -33,81 +42,93 @@ from .warm_start import CURVE_TOKENS, lru_hit_curve, preload, preload_all, trace
 
 log = logging.getLogger("expert_stream")
 
-# Quantization modes MLX's gather_qmm implements and the bit widths affine supports.
-QUANT_MODES = {"affine": (2, 3, 4, 5, 6, 8), "mxfp4": (4,), "mxfp8": (8,), "nvfp4": (4,)}
-
 
 def load(
     path: str | Path,
-    budget_gib: float | None = None,
+    budget_gib: float | str | None = None,
     *,
-    architectures: list[ArchitectureSpec] | None = None,
+    hooks: LoadHooks = LoadHooks(),
     tokenizer_config: dict | None = None,
     model_config: dict | None = None,
+    pipeline_group=None,
     trust_remote_code: bool = False,
+    memory_gib: float | None = None,
+    headroom_gib: float = HEADROOM_GIB,
     **settings: Any,
 ):
     """Load an MLX MoE checkpoint with its routed experts streamed from disk.
 
     Returns (model, tokenizer, handle). The model is a stock mlx-lm model whose expert blocks
     are streamed; use it with `mlx_lm.generate` / `stream_generate` as usual. `handle.stats()`
-    reports the cache counters; `handle.close()` releases the reader.
+    reports the budget and the cache counters; `handle.close()` releases the reader.
+    `budget_gib` unset or "auto": fit to memory (this process's limit, or `memory_gib`, minus
+    the trunk, the KV cache, MLX's cache, the other models loaded here and `headroom_gib`).
     """
+    from mlx_lm.utils import load_tokenizer
+
+    where = f"expert_stream.load({str(path)!r})"
     if budget_gib is not None:
         settings["budget_gib"] = budget_gib
-    return load_streamed(
-        path, StreamSettings.from_mapping(settings, where="expert_stream.load"),
-        architectures=architectures, tokenizer_config=tokenizer_config, model_config=model_config,
-        trust_remote_code=trust_remote_code,
+    parsed = StreamSettings.from_mapping(settings, where=where)
+    model, config, handle = load_streamed(
+        path, parsed, hooks=hooks, model_config=model_config, pipeline_group=pipeline_group,
+        trust_remote_code=trust_remote_code, where=where,
+        memory=ProcessMemory(memory_gib, headroom_gib),
     )
+    tokenizer = load_tokenizer(Path(path).expanduser(), tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, handle
 
 
 def load_streamed(
     path: str | Path,
     settings: StreamSettings,
     *,
-    architectures: list[ArchitectureSpec] | None = None,
-    tokenizer_config: dict | None = None,
+    hooks: LoadHooks = LoadHooks(),
+    build: Optional[Callable[[], tuple]] = None,
     model_config: dict | None = None,
-    index: CheckpointIndex | None = None,
     pipeline_group=None,
     trust_remote_code: bool = False,
+    budget: Optional[HandedBudget] = None,
+    memory: ProcessMemory = ProcessMemory(),
+    where: str = "",
 ):
-    """`load` with its settings parsed (and its checkpoint indexed, when `index` is given).
+    """The one load path. Runs the load checks, builds the model lazily (`build()` -> (model,
+    config): a host's own `load_model`; default mlx-lm's), sizes it, resolves the budget (the
+    number set; the one a host resolved for all its models, `budget`; else auto in this
+    process), swaps the expert blocks, evaluates the trunk. Returns (model, config, handle).
     With `pipeline_group` (mlx.distributed), this process keeps and streams only the layers
     mlx-lm's pipeline gives its rank, from the shards that hold them."""
-    from mlx_lm.utils import load_model, load_tokenizer
-
-    model_path = Path(path).expanduser()
-    refuse_model_file(model_path, trust_remote_code)  # before mlx-lm can run it
-    if pipeline_group is not None:
-        model, config, handle = _load_rank(model_path, settings, pipeline_group, architectures, model_config,
-                                           trust_remote_code)
-    else:
-        if index is None:
-            index = CheckpointIndex(model_path)  # fails fast on missing or truncated shards
-        check_quantization(index)
-        model, config = load_model(model_path, lazy=True, model_config=model_config,
-                                   **trusted(load_model, trust_remote_code))
-        handle = attach(model, index, settings, architectures)
-        mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
-        handle.reader.verify()  # the trunk just read came from the shards the experts will come from
-    tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer, handle
-
-
-def _load_rank(model_path, settings, group, architectures, model_config, trust_remote_code):
-    """This rank's layers, streamed; every rank passes `agree` (the load barrier sharded_load
-    has) with its outcome, so a rank that failed fails them all instead of leaving them waiting."""
     from mlx_lm.utils import load_model
 
+    model_path = Path(path).expanduser()
+    where = where or f"{model_path}: expert_stream"
+    if build is None:
+        def build():
+            return load_model(model_path, lazy=True, strict=pipeline_group is None, model_config=model_config,
+                              **trusted(load_model, trust_remote_code))
+
+    if pipeline_group is not None:
+        return _load_rank(model_path, settings, pipeline_group, hooks, build, trust_remote_code, where, memory)
+    index = check_checkpoint(model_path, settings, where, hooks, trust_remote_code)
+    model, config = build()
+    handle = _attach(model, index, settings, hooks.architectures, budget, where, memory)
+    mx.eval(model.parameters())  # the trunk (and any layers left resident); never routed experts
+    handle.reader.verify()  # the trunk just read came from the shards the experts will come from
+    return model, config, handle
+
+
+def _load_rank(model_path, settings, group, hooks, build, trust_remote_code, where, memory):
+    """This rank's layers, streamed; every rank passes `agree` (the load barrier sharded_load
+    has) with its outcome, so a rank that failed fails them all instead of leaving them waiting."""
     from .rank_agreement import agree
 
     try:
-        model, config = load_model(model_path, lazy=True, strict=False, model_config=model_config,
-                                   **trusted(load_model, trust_remote_code))
+        # A rank may hold only its own layers' shards: check what is here, then index its layers.
+        here = NeededTensors(frozenset(), f"rank {group.rank()}")
+        check_checkpoint(model_path, settings, where, hooks, trust_remote_code, needed=here)
+        model, config = build()
         index, settings = pipeline(model, model_path, settings, group)
-        handle = attach(model, index, settings, architectures)
+        handle = _attach(model, index, settings, hooks.architectures, None, where, memory)
         mx.eval(model.parameters())  # this rank's trunk; never routed experts
         handle.reader.verify()
     except Exception as exc:  # any failure: the other ranks must hear of it
@@ -119,8 +140,6 @@ def _load_rank(model_path, settings, group, architectures, model_config, trust_r
 def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group):
     """Give this rank its layers (mlx-lm's own `pipeline`), then index only the shards they need.
     Returns (index, this rank's settings)."""
-    import dataclasses
-
     rank = group.rank()
     if not (hasattr(model, "model") and hasattr(model.model, "pipeline")):
         raise NotMoEError(
@@ -130,7 +149,6 @@ def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group
     model.model.pipeline(group)
     needed = NeededTensors(frozenset(k for k, _ in tree_flatten(model.parameters())), f"rank {rank}")
     index = CheckpointIndex(model_path, needed=needed)
-    check_quantization(index)
     by_rank = settings.budget_gib_by_rank
     if by_rank is not None:
         if len(by_rank) != group.size():
@@ -141,17 +159,10 @@ def pipeline(model: nn.Module, model_path: Path, settings: StreamSettings, group
     return index, settings
 
 
-def attach(
-    model: nn.Module,
-    index: CheckpointIndex | str | Path,
-    settings: StreamSettings,
-    architectures: list[ArchitectureSpec] | None = None,
-) -> StreamHandle:
+def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, architectures,
+            handed: Optional[HandedBudget], where: str, memory: ProcessMemory) -> StreamHandle:
     """Swap the routed-expert blocks of a lazily loaded (not yet evaluated) model for streamed
     ones. The caller evaluates the trunk afterwards (`mx.eval(model.parameters())`)."""
-    if not isinstance(index, CheckpointIndex):
-        index = CheckpointIndex(index)
-    check_streamable(index.model_type, index.model_dir)
     spec = spec_for(index.model_type, architectures)
     blocks = find_expert_blocks(model, spec)
     if not blocks:
@@ -159,20 +170,25 @@ def attach(
             f"{index.model_dir}: model_type {index.model_type!r} has no routed-expert layers "
             "(no SwitchGLU / SwitchMLP blocks); load it with mlx_lm.load, there is nothing to stream"
         )
+    layouts = [(path, block, expert_tensors(index, path, block, spec)) for path, block in blocks]
+    # Sized before any block is swapped: measuring the KV cache calls the stock model lazily.
+    fp = footprints.measure(index, model, spec, [tensors for _, _, tensors in layouts])
+    budget = _resolve_budget(fp, settings, handed, where, memory)
     if settings.top_k_override is not None:
         override_top_k(model, [path for path, _ in blocks], spec.experts_per_token(index.config), settings.top_k_override)
     if settings.mlx_cache_limit_gib is not None:
         mx.set_cache_limit(int(settings.mlx_cache_limit_gib * GIB))
-    layouts = [(path, block, expert_tensors(index, path, block, spec)) for path, block in blocks]
     top_k = settings.top_k_override or spec.experts_per_token(index.config)
     trace, columns = _warm_start_trace(settings, [path for path, _, _ in layouts])
     curves = None
     if columns is not None and settings.budget_by_trace:
         recent = trace.ids[-CURVE_TOKENS:]
         curves = [lru_hit_curve(recent[:, c], t[0].num_experts) for c, (_, _, t) in zip(columns, layouts)]
-    plans = plan_layers(
-        [(path, tensors) for path, _, tensors in layouts], settings, top_k, index.model_dir, curves
-    )
+    # A budget that others may shrink later keeps every layer streamed: a stock block cannot
+    # give its experts back.
+    resident = settings.resident and not (handed is not None and handed.shared)
+    plans = plan_layers([(path, tensors) for path, _, tensors in layouts], budget.target_bytes, resident, top_k,
+                        curves)
     reader = ExpertReader(
         index.files, threads=settings.reader_threads, cache_bypass=settings.cache_bypass,
         backend=settings.reader, identities=index.identities,
@@ -195,13 +211,40 @@ def attach(
         warm_bytes += preload(rest, trace, [by_path[s.name] for s in rest])
     for s in streams:
         s.cache.stats = LayerStats()  # the counters describe serving, not loading
-    if settings.online_budget:
-        _link_online_budget([layer for layer in layers if layer.store not in full], top_k or 1)
+    fixed = sum(p.slot_bytes for p in plans if p.resident)  # stock blocks: their experts stay
+    if layers:
+        _link_online_budget(layers, full, top_k or 1, budget.target_bytes - fixed, settings.online_budget)
     log.info(
-        "%s: streaming %d of %d expert layers, %d slots each",
-        index.model_dir.name, len(streams), len(blocks), plans[0].num_slots,
+        "%s: streaming %d of %d expert layers, %d slots each, budget %.3f GiB%s",
+        index.model_dir.name, len(streams), len(blocks), plans[0].num_slots, budget.target_bytes / GIB,
+        " (auto)" if budget.auto else "",
     )
-    return StreamHandle(index, settings, layers, plans, reader, model, warm_bytes)
+    handle = StreamHandle(index, settings, layers, plans, reader, model, warm_bytes, budget)
+    LEDGER.add(handle, fp.trunk_bytes + fp.kv.bytes_for(budget.context_length))
+    return handle
+
+
+def _resolve_budget(fp, settings: StreamSettings, handed: Optional[HandedBudget], where: str,
+                    memory: ProcessMemory) -> ModelBudget:
+    """The number set, the one a host resolved for all its models, or auto in this process
+    (counting the models loaded here before: the ledger)."""
+    def model_budget(nbytes, explained=None):
+        return ModelBudget(settings.auto, nbytes, fp.expert_bytes, fp.min_budget_bytes, settings.context_length,
+                           explained)
+
+    if handed is not None:
+        check_budget(handed.bytes, fp.min_budget_bytes, fp.top_k, len(fp.layer_expert_bytes), where)
+        return model_budget(handed.bytes, handed.explained)
+    if not settings.auto:
+        check_budget(settings.budget_bytes, fp.min_budget_bytes, fp.top_k, len(fp.layer_expert_bytes), where)
+        return model_budget(settings.budget_bytes)
+    auto = alone(str(fp.model_dir), fp, settings, memory.limit(), memory.headroom_gib)
+    others, names = LEDGER.others()
+    if others:
+        auto = auto.with_others(others, f"loaded in this process: {names}")
+    auto.check()
+    log.info("%s: budget_gib auto:\n  %s", fp.model_dir.name, "\n  ".join(auto.lines()))
+    return model_budget(auto.bytes, auto.as_dict())
 
 
 def _warm_start_trace(settings, layer_paths):
@@ -233,12 +276,16 @@ def _swap(model, path, block, tensors, plan: LayerPlan, settings, reader, write_
     return layer
 
 
-def _link_online_budget(layers, floor: int) -> None:
-    budget = OnlineBudget.for_streams([layer.store for layer in layers], floor)
-    if budget is None:
-        return
+def _link_online_budget(layers, full, floor: int, capacity: int, rebalancing: bool) -> None:
+    """One OnlineBudget over the streamed layers: it moves their slots when the model's budget
+    changes, and, with `rebalancing`, between layers by the hit curves of those that did not
+    hold every expert at load."""
+    if rebalancing:
+        for layer in layers:
+            if layer.store not in full:
+                layer.store.cache.curve = HitCurve(layer.store.cache.num_experts)
+    budget = OnlineBudget(layers, floor, capacity, rebalancing)
     for layer in layers:
-        layer.store.cache.curve = HitCurve(layer.store.cache.num_experts)
         layer.online_budget = budget
 
 
@@ -249,56 +296,3 @@ def _link_lookahead(model, layers, spec, top_k, settings) -> None:
         probe = make_probe(model, current.store.name, nxt.store.name, top_k or 1, router_hook)
         if probe is not None:
             current.lookahead = Lookahead(probe, nxt.store, settings.prefetch_per_layer)
-
-
-def expert_tensors(index: CheckpointIndex, path: str, block: nn.Module, spec: ArchitectureSpec):
-    """The checkpoint tensors behind a block's stacked expert parameters, checked against the
-    model's shapes. Other parameters a block holds stay with the trunk (muse_spark keeps a
-    norm, `experts.post_expert_norm`, inside its SwitchGLU). A plugin's block class without
-    stacked linears streams all its parameters."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
-    stacked = {p for p, m in block.named_modules() if isinstance(m, (SwitchLinear, QuantizedSwitchLinear))}
-    tensors = []
-    for leaf, param in tree_flatten(block.parameters()):
-        if stacked and leaf.rpartition(".")[0] not in stacked:
-            continue
-        full = f"{path}.{leaf}"
-        info = index.find(full, spec.key_candidates(full))
-        if info is None:
-            unstacked = index.unstacked_experts_near(path)
-            if unstacked:
-                raise CheckpointError(
-                    f"{index.model_dir}: experts are not stacked (found {unstacked[0]}, ...); "
-                    "streaming needs the layout mlx_lm.convert writes: convert the checkpoint first"
-                )
-            raise CheckpointError(f"{index.model_dir}: tensor {full} not found in any shard")
-        if tuple(info.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"{index.files[info.file]}: tensor {info.name} has shape {list(info.shape)}, "
-                f"the model expects {list(param.shape)}"
-            )
-        tensors.append(ExpertTensor(leaf, info))
-    return tensors
-
-
-def check_quantization(index: CheckpointIndex) -> None:
-    """Refuse quantization MLX cannot run, naming config.json and the entry, before mlx-lm
-    builds the model (where the failure would be an unexplained kernel error)."""
-    quant = index.config.get("quantization")
-    if not isinstance(quant, dict):
-        return
-    entries = [("quantization", quant)]
-    entries += [(f"quantization[{k!r}]", v) for k, v in quant.items() if isinstance(v, dict)]
-    for where, entry in entries:
-        bits = entry.get("bits")
-        if bits is None:
-            continue
-        mode = entry.get("mode", "affine")  # as nn.quantize: a per-path entry does not inherit
-        if mode not in QUANT_MODES or bits not in QUANT_MODES[mode]:
-            raise CheckpointError(
-                f"{index.model_dir / 'config.json'}: {where} asks for mode={mode} bits={bits}, "
-                "which MLX cannot run (supported: "
-                + "; ".join(f"{m} bits {', '.join(map(str, b))}" for m, b in QUANT_MODES.items())
-                + ")"
-            )

@@ -62,7 +62,7 @@ def rank_shares(path: str | Path, ranks: int, architectures: list[ArchitectureSp
                 trust_remote_code: bool = False) -> list[RankShare]:
     from mlx_lm.utils import load_model
 
-    from .loader import expert_tensors
+    from .expert_layout import expert_tensors
     from .remote_code import trusted
 
     index = CheckpointIndex(path)

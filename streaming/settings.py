@@ -10,16 +10,19 @@ from typing import Any, Optional
 from .errors import SettingsError
 
 GIB = 1 << 30
+AUTO = "auto"
+# Tokens of KV cache an auto budget leaves room for, where the host has no context length of its
+# own: a long conversation of a coding agent; longer sequences use more than was set aside.
+DEFAULT_CONTEXT_LENGTH = 32768
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """How one model's routed experts are streamed.
+    """How one model's routed experts are streamed."""
 
-    budget_gib: bytes of expert slots for all MoE layers together (the cache), in GiB.
-    """
-
-    budget_gib: float
+    # GiB of expert slots for all MoE layers together (the cache), or "auto": what the process
+    # may use minus everything else it holds (streaming/auto_budget.py).
+    budget_gib: Any = AUTO
     # Pipeline mode (several machines): this rank's budget_gib instead, one entry per rank.
     budget_gib_by_rank: Optional[tuple] = None
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
@@ -54,13 +57,24 @@ class StreamSettings:
     overlap: bool = True
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
+    # Tokens of KV cache an auto budget leaves room for (a host's own context length wins).
+    context_length: int = DEFAULT_CONTEXT_LENGTH
     # Lossy knobs, off by default: fewer experts per token, and skipping low-weight misses.
     top_k_override: Optional[int] = None
     skip_miss_below: Optional[float] = None
 
     def __post_init__(self):
         _check_types(self)
-        if not self.budget_gib > 0:
+        if isinstance(self.budget_gib, str):
+            if self.budget_gib != AUTO:
+                raise SettingsError(f"budget_gib must be float (GiB) or {AUTO!r}, got str {self.budget_gib!r}")
+            if self.mlx_cache_limit_gib is None:
+                raise SettingsError("budget_gib 'auto' needs mlx_cache_limit_gib (a cap on MLX's buffer cache, "
+                                    "which otherwise may grow to the whole memory): set a number of GiB")
+        elif isinstance(self.budget_gib, bool) or not isinstance(self.budget_gib, (int, float)):
+            raise SettingsError(f"budget_gib must be float or {AUTO!r}, got {type(self.budget_gib).__name__} "
+                                f"{self.budget_gib!r}")
+        elif not self.budget_gib > 0:
             raise SettingsError(f"budget_gib must be > 0 GiB, got {self.budget_gib!r}")
         if self.budget_gib_by_rank is not None:
             by_rank = self.budget_gib_by_rank
@@ -90,7 +104,15 @@ class StreamSettings:
             raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
 
     @property
+    def auto(self) -> bool:
+        """The budget fits itself to memory (budget_gib: auto)."""
+        return self.budget_gib == AUTO
+
+    @property
     def budget_bytes(self) -> int:
+        """The number set; an auto budget is resolved by streaming/auto_budget.py instead."""
+        if self.auto:
+            raise ValueError("budget_gib is 'auto': resolve it (streaming/auto_budget.py) before asking for bytes")
         return int(self.budget_gib * GIB)
 
     @property
@@ -107,8 +129,6 @@ class StreamSettings:
             raise SettingsError(
                 f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        if "budget_gib" not in values:
-            raise SettingsError(f"{where}: budget_gib is required")
         try:
             return cls(**values)
         except SettingsError as exc:
@@ -127,6 +147,11 @@ REMOVED = {
 }
 
 
+def budget_from_text(text: str):
+    """budget_gib as a command line gives it: `auto` or a number of GiB."""
+    return text if text == AUTO else float(text)
+
+
 def refuse_removed(keys, where: str = "settings") -> None:
     """Raise SettingsError naming the first removed setting among `keys`, and why it went."""
     for key in sorted(set(map(str, keys)) & set(REMOVED)):
@@ -136,6 +161,7 @@ def refuse_removed(keys, where: str = "settings") -> None:
 MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops being exact
 # Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
+           "context_length": (1, 1 << 24),
            "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
@@ -143,7 +169,7 @@ _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "rea
 def _check_ranges(settings) -> None:
     for name, (low, high) in _RANGES.items():
         value = getattr(settings, name)
-        if value is not None and not low <= value <= high:
+        if value is not None and value != AUTO and not low <= value <= high:
             raise SettingsError(f"{name} must be between {low} and {high}, got {value!r}")
 
 

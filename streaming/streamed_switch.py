@@ -54,14 +54,14 @@ class StreamedSwitch(nn.Module):
         self.floor = ComputeFloor(self.store, self.compute) if on else None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.online_budget is not None and self.floor is None:
+            self.online_budget.apply(self)  # slots follow the budget, in a layer holding every expert too
         path = self.floor or (self.resident if self.store.on_device() else None)
         if path is not None:
             self.path_taken = path
             return path(x, indices)
         store = self.store
         store.reap()
-        if self.online_budget is not None:
-            self.online_budget.apply(store, self.compute)
         try:
             call = route(store, self.lookahead, x, indices)
             path = self._host_path(x, call)

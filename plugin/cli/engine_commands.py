@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from expert_stream.plugin.cli.output import print_stats
+from expert_stream.streaming.settings import budget_from_text
 from expert_stream.plugin.paths import cache_dir
 
 # The embedded default: a small qwen3_moe whose experts are ~4x the default budget, float32 so
@@ -22,8 +23,9 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="stream an MoE checkpoint and generate text")
     p.add_argument("model_dir", nargs="?", help="MLX checkpoint folder (default: a synthetic MoE "
                    "checkpoint larger than the budget, made once in the cache folder)")
-    p.add_argument("--budget-gib", type=float, default=None,
-                   help=f"expert cache budget in GiB (default {DEFAULT_BUDGET_GIB} for the synthetic model)")
+    p.add_argument("--budget-gib", type=budget_from_text, default=None,
+                   help=f"expert cache budget in GiB, or auto (default: auto, fit to memory; {DEFAULT_BUDGET_GIB} "
+                        "for the synthetic model, so that it streams)")
     p.add_argument("--prompt", default="Explain why the sky is blue.")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -46,7 +48,7 @@ def run_generate(args) -> int:
     import expert_stream
 
     model_dir = Path(args.model_dir) if args.model_dir else default_checkpoint()
-    budget = args.budget_gib or DEFAULT_BUDGET_GIB
+    budget = args.budget_gib or ("auto" if args.model_dir else DEFAULT_BUDGET_GIB)
     t0 = time.perf_counter()
     model, tokenizer, handle = expert_stream.load(
         model_dir, budget_gib=budget, policy=args.policy, prefetch=not args.no_prefetch

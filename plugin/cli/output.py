@@ -10,7 +10,9 @@ def print_stats(report: dict) -> None:
     stats = report["stats"]
     totals = stats["totals"]
     print(f"model:     {report['model_dir']}")
-    print(f"budget:    {report['budget_gib']} GiB -> {stats['slot_bytes'] / GB:.3f} GB of expert slots "
+    budget = stats["budget"]
+    print(f"budget:    {budget['budget_gib']} GiB{' (auto)' if budget['auto'] else ''} -> "
+          f"{stats['slot_bytes'] / GB:.3f} GB of expert slots "
           f"in {stats['streamed_layers']} streamed layers ({stats['resident_layers']} resident)")
     print(f"prompt:    {report['prompt_tokens']} tokens at {report['prompt_tps']} tok/s")
     print(f"generate:  {report['generation_tokens']} tokens at {report['generation_tps']} tok/s")

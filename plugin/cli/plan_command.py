@@ -1,9 +1,10 @@
-"""`expert-stream plan MODEL_DIR`: what a checkpoint needs, which budgets fit this machine, and
-what they decode at.
+"""`expert-stream plan MODEL_DIR`: what a checkpoint needs, what `budget_gib: auto` would pick on
+this machine and why, which budgets fit, and what they decode at.
 
-Sizes come from the headers and a lazily built model (no weights read); the speed from a short
-measurement of the disk's read bandwidth on the checkpoint's own shards, a timed decode with
-every expert resident (plan_prediction.py) and a miss curve (a trace, or labelled assumptions)."""
+It runs the load checks first (streaming/load_checks.py, as a load would). Sizes come from the
+headers and a lazily built model (no weights read); the speed from a short measurement of the
+disk's read bandwidth on the checkpoint's own shards, a timed decode with every expert resident
+(plan_prediction.py) and a miss curve (a trace, or labelled assumptions)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,23 @@ import json
 import sys
 from pathlib import Path
 
+from expert_stream.streaming.auto_budget import HEADROOM_GIB
 from expert_stream.streaming.errors import ExpertStreamError
+from expert_stream.streaming.settings import DEFAULT_CONTEXT_LENGTH
 
 GIB = 1 << 30
-# Memory left to the OS and the server process itself, beside trunk + budget + KV cache.
-SYSTEM_RESERVE_GIB = 2.0
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="what an MoE checkpoint needs and which budgets fit this machine")
     p.add_argument("model_dir", help="MLX checkpoint folder")
-    p.add_argument("--context", type=int, default=32768, help="tokens of KV cache to leave room for")
-    p.add_argument("--memory-gib", type=float, default=None, help="plan for this much memory (default: this machine)")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT_LENGTH,
+                   help="tokens of KV cache to leave room for (the context_length setting)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="plan for this much memory (default: what this process may use: its cgroup limit, Metal's "
+                        "working set, or physical memory)")
+    p.add_argument("--headroom-gib", type=float, default=HEADROOM_GIB,
+                   help="memory kept free beside the model (the config's headroom_gib)")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="skip the disk measurement, use this GB/s")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="skip the compute measurement: ms per decode token with every expert resident")
@@ -38,28 +44,23 @@ def register(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
-def kv_bytes_per_token(config: dict) -> int:
-    """Upper bound: full attention in every layer, bf16 keys and values."""
-    cfg = config.get("text_config") or config
-    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 0)
-    heads = int(cfg.get("num_attention_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads))
-    return 2 * layers * kv_heads * head_dim * 2
-
-
 def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: float,
-              t_compute: float | None = None, trace: str | None = None, trust_remote_code: bool = False) -> dict:
+              t_compute: float | None = None, trace: str | None = None, trust_remote_code: bool = False,
+              headroom_gib: float = HEADROOM_GIB, memory_source: str = "--memory-gib") -> dict:
+    """The plan of a checkpoint that passed the load checks (`run_plan` runs them first)."""
     from expert_stream.plugin import plugins
     from expert_stream.plugin.cli import plan_prediction
-    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.auto_budget import alone
     from expert_stream.streaming.footprint import checkpoint_footprint
+    from expert_stream.streaming.memory_limit import MemoryLimit
+    from expert_stream.streaming.settings import StreamSettings
 
-    index = CheckpointIndex(model_dir)
     fp = checkpoint_footprint(model_dir, plugins.architectures(), trust_remote_code)
-    kv = kv_bytes_per_token(index.config) * context
-    reserve = int(SYSTEM_RESERVE_GIB * GIB)
-    room = memory_bytes - fp.trunk_bytes - kv - reserve
+    limit = MemoryLimit(memory_bytes, memory_source)
+    auto = alone(str(model_dir), fp, StreamSettings(context_length=context), limit, headroom_gib)
+    kv = fp.kv.bytes_for(context)
+    reserve = sum(t.bytes for t in auto.terms[2:])  # MLX cache and headroom
+    room = auto.free
     row = fp.bytes_per_slot_row
     experts = max(fp.num_experts)
     top_k = fp.top_k or 1
@@ -103,8 +104,11 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
         "dropped_bytes": fp.dropped_bytes, "moe_layers": len(fp.layer_expert_bytes),
         "experts_per_layer": experts, "top_k": fp.top_k,
         "token_expert_gib": round(fp.token_expert_bytes / GIB, 4), "min_budget_gib": round(fp.min_budget_gib, 4),
-        "memory_gib": round(memory_bytes / GIB, 2), "kv_cache_gib": round(kv / GIB, 3), "context": context,
-        "reserve_gib": SYSTEM_RESERVE_GIB, "largest_budget_gib": round(max(room, 0) / GIB, 3),
+        "memory_gib": round(memory_bytes / GIB, 2), "memory_source": limit.source,
+        "kv_cache_gib": round(kv / GIB, 3), "kv_source": fp.kv.source, "context": context,
+        "reserve_gib": round(reserve / GIB, 3), "largest_budget_gib": round(max(room, 0) / GIB, 3),
+        "auto": auto.as_dict() if auto.free >= auto.smallest else {"refused": auto.refusal()},
+        "auto_lines": auto.lines(),
         "fits_stock": fp.loaded_bytes + kv + reserve <= memory_bytes,
         "disk_gbps": round(bandwidth_gbps, 3),
         "t_compute_ms": round(t_compute * 1e3, 3) if t_compute is not None else None,
@@ -124,19 +128,21 @@ def header(model_dir: Path) -> str:
 
 
 def run_plan(args) -> int:
-    import psutil
-
     from expert_stream.plugin.paths import resolve_model_path
 
     model_dir = Path(resolve_model_path(args.model_dir))  # `~`, $VARS, or a hub id in the local HF cache
     if not model_dir.is_dir():
         raise ExpertStreamError(f"{model_dir}: not a folder; plan needs a local MLX checkpoint")
-    from expert_stream.streaming.remote_code import refuse_model_file
-
-    refuse_model_file(model_dir, args.trust_remote_code)  # building the model would run it
-    memory = int(args.memory_gib * GIB) if args.memory_gib else psutil.virtual_memory().total
     if not args.json:
-        print(header(model_dir), flush=True)
+        print(header(model_dir), flush=True)  # config.json and the headers alone: before mlx-lm is imported
+    from expert_stream.plugin import plugins
+    from expert_stream.streaming.load_checks import check_checkpoint
+    from expert_stream.streaming.memory_limit import memory_limit
+    from expert_stream.streaming.settings import StreamSettings
+
+    settings = StreamSettings(context_length=args.context)  # budget_gib auto, as an entry without a number
+    check_checkpoint(model_dir, settings, f"{model_dir}: expert_stream", plugins.load_hooks(), args.trust_remote_code)
+    limit = memory_limit(int(args.memory_gib * GIB) if args.memory_gib else None, "--memory-gib")
     bandwidth = args.bandwidth_gbps
     if bandwidth is None:
         from expert_stream.streaming.checkpoint import CheckpointIndex
@@ -149,16 +155,15 @@ def run_plan(args) -> int:
                                            block_bytes=min(4 << 20, max(total // 16, 4096)))["gbps"]
     if args.compute_ms is None:
         print("timing decode steps with every expert resident ...", file=sys.stderr, flush=True)
-    plan = make_plan(model_dir, args.context, memory, bandwidth,
+    plan = make_plan(model_dir, args.context, limit.bytes, bandwidth,
                      t_compute=args.compute_ms / 1e3 if args.compute_ms is not None else None, trace=args.trace,
-                     trust_remote_code=args.trust_remote_code)
+                     trust_remote_code=args.trust_remote_code, headroom_gib=args.headroom_gib,
+                     memory_source=limit.source)
     if args.ranks is not None:
         from expert_stream.plugin.cli.plan_ranks import rank_plan
-        from expert_stream.streaming.checkpoint import CheckpointIndex
 
-        plan["pipeline"] = rank_plan(model_dir, args.ranks, args.context, memory,
-                                     kv_bytes_per_token(CheckpointIndex(model_dir).config), int(SYSTEM_RESERVE_GIB * GIB),
-                                     args.trust_remote_code)
+        plan["pipeline"] = rank_plan(model_dir, args.ranks, args.context, limit.bytes,
+                                     int(plan["reserve_gib"] * GIB), args.trust_remote_code)
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()
@@ -168,10 +173,16 @@ def run_plan(args) -> int:
     dropped = f" + {plan['dropped_gib']} GiB stock drops at load (MTP, vision)" if plan["dropped_bytes"] else ""
     print(f"size:     {plan['total_gib']} GiB = trunk {plan['trunk_gib']} GiB + experts {plan['expert_gib']} GiB"
           f"{dropped}")
-    print(f"memory:   {plan['memory_gib']} GiB; KV cache for {plan['context']} tokens {plan['kv_cache_gib']} GiB; "
-          f"reserve {plan['reserve_gib']} GiB")
+    print(f"memory:   {plan['memory_gib']} GiB ({plan['memory_source']}); KV cache for {plan['context']} tokens "
+          f"{plan['kv_cache_gib']} GiB ({plan['kv_source']}); MLX cache and headroom {plan['reserve_gib']} GiB")
     print(f"stock:    {'fits' if plan['fits_stock'] else 'does not fit'} in memory")
     print(f"budget:   smallest {plan['min_budget_gib']} GiB, largest that fits {plan['largest_budget_gib']} GiB")
+    if "refused" in plan["auto"]:
+        print(f"auto:     refused: {plan['auto']['refused']}")
+    else:
+        print(f"auto:     budget_gib auto picks {plan['auto']['budget_gib']} GiB here:")
+    for line in plan["auto_lines"]:
+        print(f"            {line}")
     print(f"disk:     {plan['disk_gbps']} GB/s measured")
     if plan["t_compute_ms"] is None:
         print("compute:  not measured: the trunk and the smallest budget do not fit in memory")

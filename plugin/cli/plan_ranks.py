@@ -9,18 +9,21 @@ from pathlib import Path
 GIB = 1 << 30
 
 
-def rank_plan(model_dir: Path, ranks: int, context: int, memory_bytes: int, kv_per_token: int,
-              reserve_bytes: int, trust_remote_code: bool = False) -> dict:
+def rank_plan(model_dir: Path, ranks: int, context: int, memory_bytes: int, reserve_bytes: int,
+              trust_remote_code: bool = False) -> dict:
+    """`reserve_bytes`: MLX's cache and the headroom, on every machine."""
     from expert_stream.plugin import plugins
+    from expert_stream.plugin.config import footprint
     from expert_stream.streaming.pipeline_split import rank_shares
 
     shares = rank_shares(model_dir, ranks, plugins.architectures(), trust_remote_code)
     layers = shares[0].model_layers
+    kv_all = footprint(model_dir, plugins.architectures(), trust_remote_code).kv.bytes_for(context)
     covered = sorted(i for s in shares for i in range(s.first_layer, min(s.end_layer, layers)))
     out = []
     for s in shares:
         held = max(min(s.end_layer, layers) - s.first_layer, 0)
-        kv = kv_per_token * context * held // max(layers, 1)
+        kv = kv_all * held // max(layers, 1)  # its share of the whole model's KV cache, by layers
         room = memory_bytes - s.trunk_bytes - kv - reserve_bytes
         out.append({
             "rank": s.rank, "layers": [s.first_layer, s.first_layer + held], "moe_layers": s.moe_layers,

@@ -101,7 +101,10 @@ def model_line(model_id: str, model: dict) -> str:
     """One model of the status, as `status` prints it."""
     line = f"  {model_id}: {model['state']}"
     if model["streamed"]:
-        line += f", streamed, budget {model['settings']['budget_gib']} GiB"
+        budget = model.get("budget") or {}
+        gib = budget.get("budget_gib", model["settings"]["budget_gib"])
+        line += ", streamed, budget auto" if gib == "auto" else \
+            f", streamed, budget {gib} GiB" + (" (auto)" if budget.get("auto") else "")
         stats = model.get("stats") or {}
         totals = stats.get("totals")
         layers = stats.get("streamed_layers", 0) + stats.get("resident_layers", 0)

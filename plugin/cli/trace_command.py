@@ -6,12 +6,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from expert_stream.streaming.settings import budget_from_text
+
 
 def register(sub) -> None:
     t = sub.add_parser("trace", help="record routing on a text corpus into a trace file")
     t.add_argument("model_dir")
     t.add_argument("--out", required=True, help="trace file to write (.npz, the shared trace format)")
-    t.add_argument("--budget-gib", type=float, required=True)
+    t.add_argument("--budget-gib", type=budget_from_text, default="auto",
+                   help="GiB of expert slots, or auto (the default: fit to memory)")
     t.add_argument("--corpus", default=None, help="text file; documents separated by blank lines "
                    "(default: the project's embedded English text)")
     t.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens generated after each document")

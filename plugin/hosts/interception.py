@@ -2,9 +2,11 @@
 
 Both hosts load through `mlx_lm.utils.load` (`mlx_lm.load`), which calls the module-level
 `load_model`. While a target is set for a checkpoint folder, a call for that folder builds the
-model lazily, swaps its expert blocks for streamed ones (`streaming.loader.attach`) before
+model lazily, swaps its expert blocks for streamed ones before
 anything is evaluated, then evaluates the trunk if the host asked for an eager load. A call for
-any other folder (a dense model, a draft model) runs the stock function untouched."""
+any other folder (a dense model, a draft model) runs the stock function untouched. The load
+itself is the engine's one load path (`streaming.loader.load_streamed`), handed the host's own
+lazy build."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from expert_stream.plugin.hosts import prefill_step
+from expert_stream.streaming.auto_budget import HandedBudget, ProcessMemory
 
 log = logging.getLogger("expert_stream")
 
@@ -24,6 +28,9 @@ log = logging.getLogger("expert_stream")
 class Target:
     model_id: str
     settings: dict  # StreamSettings.to_dict()
+    budget: Optional[HandedBudget] = None  # an auto budget the host resolved with its other models
+    memory: ProcessMemory = ProcessMemory()  # what an auto budget resolved here is sized against
+    trust_remote_code: bool = False  # the entry's: a model_file of the checkpoint may run
 
 
 _lock = threading.RLock()
@@ -114,27 +121,41 @@ def _load_model(*args, **kwargs):
 
 
 def _load_streamed(bound, target: Target):
-    import mlx.core as mx
     from expert_stream.plugin import plugins
-    from expert_stream.streaming.loader import attach
+    from expert_stream.streaming.loader import load_streamed
     from expert_stream.streaming.settings import StreamSettings
 
     model_path = Path(bound.arguments["model_path"])
-    eager = not bound.arguments["lazy"]
-    bound.arguments["lazy"] = True  # expert tensors must never be evaluated
+    bound.arguments["lazy"] = True  # expert tensors must never be evaluated; the engine evaluates the trunk
     settings = StreamSettings.from_mapping(target.settings, where=f"{target.model_id}.expert_stream")
-    pm = plugins.get_plugin_manager()
     _busy.on = True
     try:
-        model, config = _original(*bound.args, **bound.kwargs)
-        handle = attach(model, model_path, settings, plugins.architectures(pm))
-        if eager:
-            mx.eval(model.parameters())  # the trunk; the streamed experts are slots, not weights
-            handle.reader.verify()  # the trunk came from the shards the experts will come from
+        model, config, handle = load_streamed(
+            model_path, settings, hooks=plugins.load_hooks(), build=lambda: _original(*bound.args, **bound.kwargs),
+            trust_remote_code=target.trust_remote_code, budget=target.budget, memory=target.memory,
+            where=f"{target.model_id}.expert_stream")
     finally:
         _busy.on = False
     adopt(target, model, model_path, handle, settings)
     return model, config
+
+
+def set_budget(model_id: str, budget: HandedBudget) -> Optional[dict]:
+    """A running model's new auto budget (the host resolved it again with its other models):
+    its layers follow at their next calls. Returns its budget as it stands, or None when the
+    model is not loaded here."""
+    handle = handles().get(model_id)
+    if handle is None:
+        return None
+    handle.set_budget(budget.bytes, budget.explained)
+    return handle.budget.as_dict()
+
+
+def apply_budget(model_id: str) -> None:
+    """Move the model's slots to its budget now: only between two of its forward passes."""
+    handle = handles().get(model_id)
+    if handle is not None:
+        handle.apply_budget()
 
 
 def target_for(path):
@@ -165,7 +186,7 @@ def adopt(target: Target, model, model_path: Path, handle, settings) -> None:
         prefill_step.unregister(old.model)
         old.close()
     prefill_step.register(model, settings.prefill_step)
-    log.info("expert-stream: %s streams %s with a %.3f GiB budget", target.model_id, model_path,
-             settings.budget_gib)
+    log.info("expert-stream: %s streams %s with a %.3f GiB budget%s", target.model_id, model_path,
+             handle.budget.target_bytes / 2**30, " (auto)" if handle.budget.auto else "")
     plugins.get_plugin_manager().hook.model_loaded(model_id=target.model_id, model_path=str(model_path),
                                                    handle=handle)

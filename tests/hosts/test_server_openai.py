@@ -265,7 +265,7 @@ def test_failed_reloads_are_reported_and_requests_during_a_reload_wait(server, m
     assert status["models"]["moe"]["settings"]["budget_gib"] == 0.00005 and status["last_error"] is None
     # No room for both (memory_gib): the old one unloads first, requests wait for the new one.
     text = config_text(models, port, [("moe", "moe", 0.00006)]).replace(
-        "drain_timeout_s: 300}", "drain_timeout_s: 300, memory_gib: 1.5}")
+        "drain_timeout_s: 300}", "drain_timeout_s: 300, memory_gib: 3.0}")  # one model (2 GiB of MLX cache and headroom), not two
     codes = _requests_during_reload(host, path, text)
     TIMINGS["codes_unload_first"] = codes
     assert codes == {200: 30}, codes

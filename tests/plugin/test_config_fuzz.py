@@ -151,7 +151,10 @@ def test_fuzzed_configs_give_a_config_error_or_a_valid_config(models, tmp_path):
             config.host_yaml()
             for entry in config.entries:
                 assert entry.fingerprint
-                if entry.streamed:
+                if entry.streamed and entry.settings.auto:  # resolved with the other entries, within the limit
+                    limit = config.options.memory_gib * GIB if config.options.memory_gib else 64 * GIB
+                    assert entry.footprint.min_budget_bytes <= entry.budget.bytes <= limit
+                elif entry.streamed:
                     assert 0 < entry.settings.budget_gib < float("inf")
             options = config.options
             assert all(math.isfinite(v) for v in (options.poll_seconds, options.debounce_seconds,

@@ -67,6 +67,35 @@ def test_plan_predicts_from_compute_and_the_miss_curve(tmp_path, capsys):
     assert plan["t_compute_ms"] is None and all(b["tok_s"] == [0.0, 0.0] for b in plan["budgets"])
 
 
+def test_plan_prints_what_auto_picks_and_why(tmp_path, capsys):
+    """The budget auto would pick here: the limit minus each term, each printed; a limit too
+    small for the smallest budget is a refusal that names the terms."""
+    from expert_stream.plugin.cli import main
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    gib = 1 << 30
+    moe = make_moe(tmp_path)
+    fp = checkpoint_footprint(moe)
+    limit = 2 * gib + fp.trunk_bytes + fp.kv.bytes_for(1024) + fp.expert_bytes // 2  # MLX cache, headroom: 1 GiB each
+    args = ["plan", str(moe), "--memory-gib", repr(limit / gib), "--context", "1024", "--bandwidth-gbps", "1",
+            "--compute-ms", "5"]
+    assert main([*args, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert auto["budget_gib"] == round(fp.expert_bytes / 2 / gib, 4) and auto["limit_source"] == "--memory-gib"
+    assert [(t["name"], t["gib"]) for t in auto["terms"]] == [
+        ("trunk", round(fp.trunk_bytes / gib, 4)), ("KV cache", round(fp.kv.bytes_for(1024) / gib, 4)),
+        ("MLX cache", 1.0), ("headroom", 1.0)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"auto:     budget_gib auto picks {auto['budget_gib']} GiB here:" in out
+    for line in ("limit ", "- trunk", "- KV cache", "1024 tokens, measured from the model's caches", "- MLX cache",
+                 "- headroom", "= free", "budget "):
+        assert line in out, line
+    assert main(["plan", str(moe), "--memory-gib", "1", "--bandwidth-gbps", "1", "--compute-ms", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "auto:     refused:" in out and "below the smallest budget" in out and "(--memory-gib)" in out
+
+
 def test_plan_refuses_a_dense_checkpoint(tmp_path, capsys):
     from expert_stream.plugin.cli import main
     from plugin_fixtures import make_dense

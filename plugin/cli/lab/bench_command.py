@@ -9,21 +9,15 @@ from pathlib import Path
 
 from expert_stream.streaming.errors import SettingsError
 from expert_stream.streaming.lab.setting_values import parse_settings
+from expert_stream.streaming.settings import budget_from_text
 from expert_stream.plugin.cli.lab.bench_series import budget_text, exactness_text
-
-
-def budget_arg(text: str):
-    """--budget-gib: GiB, or a word the engine's budget_gib accepts (it says which)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def register(sub) -> None:
     b = sub.add_parser("bench", help="decode/prefill speed vs the disk+compute bound and stock mlx-lm")
     b.add_argument("model_dir")
-    b.add_argument("--budget-gib", type=budget_arg, required=True)
+    b.add_argument("--budget-gib", type=budget_from_text, default="auto",
+                   help="GiB of expert slots, or auto (the default: fit to memory, e.g. under --memory-cap)")
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--gen-tokens", type=int, default=64)
     b.add_argument("--corpus", action="append", default=[], metavar="FILE",

@@ -47,11 +47,12 @@ def check(host: str, version: str) -> SimpleNamespace:
                            ResponseGenerator=generator)
 
 
-def patch_provider(Provider, on_init, before_load, after_load) -> None:
+def patch_provider(Provider, on_init, before_load, dropping, after_load) -> None:
     """Wrap ModelProvider: `on_init(provider, cli_args)` after its __init__;
     `before_load(provider, requested)` before `load`, mlx_lm.server's own safe point between
-    requests on the generation thread; `after_load(provider, folder, seconds)` after `_load`,
-    which actually loads a model (`folder` resolved)."""
+    requests on the generation thread; `dropping(provider)` when `_load` starts (it drops the
+    model it held, to load another: one at a time); `after_load(provider, folder, seconds)`
+    after `_load`, which actually loads a model (`folder` resolved)."""
     original_init, original_load, original__load = Provider.__init__, Provider.load, Provider._load
 
     def __init__(self, cli_args):
@@ -64,6 +65,7 @@ def patch_provider(Provider, on_init, before_load, after_load) -> None:
 
     def _load(self, model_path, *args, **kwargs):
         t0 = time.perf_counter()
+        dropping(self)
         original__load(self, model_path, *args, **kwargs)
         after_load(self, str(Path(model_path).resolve()), round(time.perf_counter() - t0, 2))
 

@@ -5,7 +5,7 @@ streaming its own layers' experts.
 mlx_lm.server loads through `mlx_lm.utils.sharded_load` (imported into its own namespace), which
 builds the model lazily, lets `model.model.pipeline(group)` pick the rank's layers and then
 evaluates. For a streamed folder the plugin replaces that whole call by the engine's pipeline
-load (`load_streamed(..., pipeline_group=group)`: the same steps, with the expert blocks swapped
+load (`load_streamed(..., pipeline_group=group)`: the one load path's steps, with the expert blocks swapped
 after `pipeline()` and before any evaluation, and only this rank's shards indexed). Any other
 folder (dense, not in the config) runs the stock function untouched.
 
@@ -93,7 +93,7 @@ def _streaming_sharded_load(original):
 
 def _load_rank(path: Path, target, pipeline_group, tensor_group, return_config, *, tokenizer_config=None,
                trust_remote_code=False, **_):
-    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer
 
     from expert_stream.plugin import plugins
     from expert_stream.plugin.hosts.base import HostError
@@ -105,12 +105,13 @@ def _load_rank(path: Path, target, pipeline_group, tensor_group, return_config, 
                         "(each rank its own layers); start every rank with --pipeline")
     settings = StreamSettings.from_mapping(target.settings, where=f"{target.model_id}.expert_stream")
     with interception.stock_loads():  # the engine builds the model with the stock load_model
-        model, tokenizer, handle = load_streamed(
-            path, settings, architectures=plugins.architectures(),
-            tokenizer_config=tokenizer_config or {"trust_remote_code": True},  # as sharded_load
-            pipeline_group=pipeline_group, trust_remote_code=trust_remote_code,
-        )
+        model, config, handle = load_streamed(
+            path, settings, hooks=plugins.load_hooks(), pipeline_group=pipeline_group,
+            trust_remote_code=trust_remote_code or target.trust_remote_code, memory=target.memory,
+            where=f"{target.model_id}.expert_stream")
+    tokenizer = load_tokenizer(path, tokenizer_config or {"trust_remote_code": True},  # as sharded_load
+                               eos_token_ids=config.get("eos_token_id"))
     interception.adopt(target, model, path, handle, handle.settings)
     log.info("expert-stream: rank %d streams layers %s-%s of %s", pipeline_group.rank(), model.model.start_idx,
              model.model.end_idx - 1, target.model_id)
-    return (model, tokenizer, load_config(path)) if return_config else (model, tokenizer)
+    return (model, tokenizer, config) if return_config else (model, tokenizer)

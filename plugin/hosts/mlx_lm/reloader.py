@@ -20,6 +20,7 @@ from expert_stream.plugin.hosts.mlx_lm.routes import patch_handler
 from expert_stream.plugin.redact import redacting_calls
 from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
     unchanged_file
+from expert_stream.streaming.errors import BudgetError
 
 log = logging.getLogger("expert_stream")
 
@@ -48,8 +49,13 @@ class LmServerState:
 
     def targets(self) -> dict:
         from expert_stream.plugin.hosts.interception import Target
+        from expert_stream.streaming.auto_budget import ProcessMemory
 
-        return {e.resolved_path(): Target(e.model_id, e.settings.to_dict()) for e in self.config.entries if e.streamed}
+        options = self.config.options
+        memory = ProcessMemory(options.memory_gib, options.headroom_gib)  # pipeline ranks size auto themselves
+        return {e.resolved_path(): Target(e.model_id, e.settings.to_dict(), e.budget, memory,
+                                          e.host_entry.get("trust_remote_code") is True)
+                for e in self.config.entries if e.streamed}
 
     def _sync_models(self) -> None:
         models = {}
@@ -57,7 +63,8 @@ class LmServerState:
             old = self.record.models.get(e.model_id)
             models[e.model_id] = ModelState(e.model_id, e.model_path, e.streamed,
                                             state=old.state if old else "configured",
-                                            settings=e.settings.to_dict() if e.streamed else None)
+                                            settings=e.settings.to_dict() if e.streamed else None,
+                                            budget=e.budget_status())
         self.record.models = models
 
     def install(self) -> None:
@@ -65,7 +72,8 @@ class LmServerState:
 
         interception.install()
         interception.set_targets(self.targets())
-        compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._loaded)
+        compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._dropping,
+                              self._loaded)
         compat.wrap_generate(self.internals.ResponseGenerator, redacting_calls)  # errors reach clients as text
         patch_handler(self)
 
@@ -84,6 +92,14 @@ class LmServerState:
             if loaded is not None and str(Path(loaded).resolve()) in self.stale:
                 self.stale.discard(str(Path(loaded).resolve()))
                 compat.forget_loaded(provider)  # forces a load with the new settings
+
+    def _dropping(self, provider) -> None:
+        """mlx_lm.server holds one model at a time: the streamed model it drops to load another
+        releases its reader and memory now, before the next one is sized and loaded."""
+        from expert_stream.plugin.hosts import interception
+
+        for model_id in interception.handles():
+            interception.forget(model_id)
 
     def _loaded(self, provider, folder: str, seconds: float) -> None:
         with self.lock:
@@ -141,6 +157,16 @@ class LmServerState:
                 self._sync_models()
                 for model_id in plan.changed:
                     self.record.models[model_id].state = "pending reload"
+            for model_id in plan.unchanged:  # a budget resolved anew is followed, not reloaded
+                entry = new.by_id()[model_id]
+                if entry.budget is None:
+                    continue
+                try:
+                    interception.set_budget(model_id, entry.budget)
+                except BudgetError as exc:  # layers left as stock blocks cannot give experts back
+                    log.warning("expert-stream: %s reloads at its next request for its new budget: %s", model_id, exc)
+                    with self.lock:
+                        self.stale.add(str(entry.resolved_path()))
             self.record.last_error = self.record.failed_hash = None
             self.record.applied(plan, reason, round(time.perf_counter() - t0, 3),
                                 note="a changed model reloads at its next request")
@@ -163,7 +189,7 @@ class LmServerState:
             for model_id, model_state in self.record.models.items():
                 if model_id in stats:
                     model_state.stats = stats[model_id]
-                    model_state.settings = stats[model_id].get("settings", model_state.settings)
+                    model_state.budget = stats[model_id]["budget"]
             out = self.record.as_dict()
         out["loaded_model"] = compat.loaded_folder(self.provider)
         if self.pipeline is not None:

@@ -8,7 +8,7 @@ mlx-openai-server file:
     models:
       - model_path: ~/models/Qwen3-30B-A3B-4bit
         served_model_name: qwen    # the `model` name requests use
-        expert_stream: {budget_gib: 8}
+        expert_stream: {}          # budget_gib: auto (fits to memory), or a number of GiB
 
 The server runs in this process. Aliases go into ModelProvider's own name map; the load is
 intercepted at `mlx_lm.utils.load_model` for streamed folders. A reload changes the name map and
@@ -61,7 +61,7 @@ class MlxLmServerHost:
         return HostSchema(
             name=self.name, version=version,
             entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path", "trust_remote_code"}),
-            id_key="served_model_name", top_level_keys=frozenset({"default_model"}),
+            id_key="served_model_name", top_level_keys=frozenset({"default_model"}), one_model_at_a_time=True,
         )
 
     def load_config(self, path, internals=None, **kw) -> HostConfig:

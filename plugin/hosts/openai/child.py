@@ -12,19 +12,48 @@ KEY = "expert_stream"
 
 
 def child_worker(model_cfg_dict, queue_config, *rest):
-    from expert_stream.plugin.hosts.openai.compat import host_worker, serve_stats
+    from expert_stream.plugin.hosts.openai import compat
 
     stream = queue_config.pop(KEY, None) if isinstance(queue_config, dict) else None
-    original = host_worker()  # this process never patched it: the host's own
+    original = compat.host_worker()  # this process never patched it: the host's own
     if stream is None:
         return original(model_cfg_dict, queue_config, *rest)
     from expert_stream.plugin.hosts import interception
 
     interception.install()
-    interception.set_targets({stream["model_path"]: interception.Target(stream["model_id"], stream["settings"])})
-    serve_stats(interception.stats)  # the parent's status endpoint asks for them
+    interception.set_targets({stream["model_path"]: _target(stream)})
+    compat.add_handler_methods(expert_stream_stats=_expert_stream_stats,
+                               expert_stream_set_budget=_expert_stream_set_budget)
     try:
         return original(model_cfg_dict, queue_config, *rest)
     finally:
         interception.forget(stream["model_id"])
 
+
+def _target(stream: dict):
+    from expert_stream.plugin.hosts import interception
+    from expert_stream.streaming.auto_budget import HandedBudget
+
+    budget = stream.get("budget")
+    return interception.Target(stream["model_id"], stream["settings"], HandedBudget(**budget) if budget else None,
+                               trust_remote_code=stream.get("trust_remote_code", False))
+
+
+async def _expert_stream_stats(self):
+    from expert_stream.plugin.hosts import interception
+
+    return interception.stats()
+
+
+async def _expert_stream_set_budget(self, model_id: str, budget: dict):
+    """The parent resolved this model's auto budget again (a model loaded or unloaded beside
+    it): the slots move now on the model's own thread, between two requests (or, on a host
+    without that thread, at each layer's next call). Returns the budget as it stands."""
+    from expert_stream.plugin.hosts import interception
+    from expert_stream.plugin.hosts.openai import compat
+    from expert_stream.streaming.auto_budget import HandedBudget
+
+    status = interception.set_budget(model_id, HandedBudget(**budget))
+    if status is not None:
+        await compat.on_compute_thread(self, lambda: interception.apply_budget(model_id))
+    return status

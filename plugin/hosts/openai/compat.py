@@ -19,7 +19,6 @@ from expert_stream.plugin.hosts.base import HostError, parameter_names, refuse, 
 # queue's concurrency, 1.8 replaced that with continuous batching, which it can switch off.
 ONE_AT_A_TIME = {"max_concurrency": 1, "disable_batching": True}
 READY_ID = "__ready__"  # the proxy's pending entry for its start-up handshake, not a request
-STATS_METHOD = "expert_stream_stats"  # the handler method a model process answers its cache stats by
 
 
 def check(host: str, version: str) -> SimpleNamespace:
@@ -108,17 +107,6 @@ def host_worker():
     return handler_process._handler_worker
 
 
-def serve_stats(stats) -> None:
-    """In a model process: the parent asks it for cache stats through the host's own RPC, which
-    calls a handler method by name; the host's handler gets that method, answering `stats()`."""
-    from app.handler.mlx_lm import MLXLMHandler
-
-    async def expert_stream_stats(self):
-        return stats()
-
-    setattr(MLXLMHandler, STATS_METHOD, expert_stream_stats)
-
-
 def run_host_cli(argv: list[str]) -> None:
     """mlx-openai-server's own command line, unchanged."""
     import sys
@@ -189,6 +177,26 @@ def exit_code(proxy):
     return getattr(proxy._process, "exitcode", None)
 
 
-async def child_stats(proxy):
-    """A model process's cache stats (`serve_stats` there), through the proxy's RPC."""
-    return await proxy._call(STATS_METHOD)
+async def call(proxy, method: str, *args):
+    """Call a method of the model process's handler through the proxy's RPC."""
+    return await proxy._call(method, *args)
+
+
+# -- the model process's handler (in a child) ------------------------------------------------
+def add_handler_methods(**methods) -> None:
+    """Methods the parent calls on the model process's handler by name, through the host's own
+    RPC (`call`): the status endpoint's stats, a new budget."""
+    from app.handler.mlx_lm import MLXLMHandler
+
+    for name, method in methods.items():
+        setattr(MLXLMHandler, name, method)
+
+
+async def on_compute_thread(handler, fn) -> bool:
+    """Run `fn` on the thread where the handler runs its model (its inference worker), after
+    the request in flight; False, without running it, on a host version without that worker."""
+    worker = getattr(handler, "inference_worker", None)
+    if worker is None or not inspect.iscoroutinefunction(getattr(worker, "submit", None)):
+        return False
+    await worker.submit(fn)
+    return True

@@ -109,6 +109,7 @@ class Reloader:
         self.record.last_error = self.record.failed_hash = None  # a model failing to load sets it again
         cut_off = 0
         try:
+            await self._follow_budgets(new, plan.unchanged, shrink=True)  # make room first
             for model_id in plan.removed:
                 cut_off += await self._unload(model_id, placeholder=False)
                 self.record.models.pop(model_id, None)
@@ -120,6 +121,7 @@ class Reloader:
                     await self._load(after[model_id])
             for model_id in plan.added:
                 await self._load(after[model_id], fail_hard=(reason == "start"))
+            await self._follow_budgets(new, plan.unchanged, shrink=False)  # grow into what was freed
         finally:
             self.record.reloading = False
         self.state.config = new
@@ -128,6 +130,29 @@ class Reloader:
         log.info("expert-stream: config applied (%s): %s", reason, self.record.last_reload)
         plugins.get_plugin_manager().hook.config_reloaded(path=str(new.path), applied=applied, error=None)
         return applied
+
+    async def _follow_budgets(self, new: HostConfig, unchanged, shrink: bool) -> None:
+        """The running models whose auto budget the new config resolved smaller (`shrink`) or
+        larger get it through the host's RPC; their slots move between two of their requests,
+        without a reload. A shrink is awaited before anything loads beside them."""
+        after = new.by_id()
+        for model_id in unchanged:
+            entry, running = after[model_id], self.entries.get(model_id)
+            if entry.budget is None or running is None or running.budget is None:
+                continue
+            if (entry.budget.bytes < running.budget.bytes) != shrink or entry.budget.bytes == running.budget.bytes:
+                continue
+            self.entries[model_id] = entry  # a restart starts it with the new budget
+            state = self.record.models.get(model_id)
+            if state is not None:
+                state.budget = entry.budget_status()
+            proxy = self.proxies.get(model_id)
+            if proxy is None:
+                continue
+            try:
+                await compat.call(proxy, "expert_stream_set_budget", model_id, dataclasses.asdict(entry.budget))
+            except Exception as exc:  # a dead process restarts with the new budget
+                log.warning("expert-stream: %s: its new budget did not reach its process: %s", model_id, exc)
 
     async def _load(self, entry, fail_hard: bool = False) -> None:
         proxy = await self._start(entry, fail_hard)
@@ -198,7 +223,8 @@ class Reloader:
         model_state = ModelState(entry.model_id, entry.model_path, entry.streamed,
                                  state="restarting" if restarting else "loading",
                                  restarts=previous.restarts if restarting else 0,
-                                 settings=entry.settings.to_dict() if entry.streamed else None)
+                                 settings=entry.settings.to_dict() if entry.streamed else None,
+                                 budget=entry.budget_status())
         self.record.models[entry.model_id] = model_state
         kwargs = {"model_cfg_dict": dataclasses.asdict(cfg), "model_type": cfg.model_type,
                   "model_path": cfg.model_path, internals.proxy_id_param: entry.model_id}
@@ -207,8 +233,10 @@ class Reloader:
         if hasattr(cfg, "max_concurrency"):  # 1.6 (1.8 batches instead)
             queue_config["max_concurrency"] = cfg.max_concurrency
         if entry.streamed:
-            queue_config["expert_stream"] = {"model_id": entry.model_id, "model_path": entry.model_path,
-                                             "settings": entry.settings.to_dict()}
+            queue_config["expert_stream"] = {
+                "model_id": entry.model_id, "model_path": entry.model_path, "settings": entry.settings.to_dict(),
+                "budget": dataclasses.asdict(entry.budget) if entry.budget is not None else None,
+                "trust_remote_code": entry.host_entry.get("trust_remote_code") is True}
         t0 = time.perf_counter()
         try:
             await proxy.start(queue_config)
@@ -268,7 +296,7 @@ class Reloader:
             if not model_state or not model_state.streamed or model_state.state != "ready":
                 continue
             try:
-                stats = await asyncio.wait_for(compat.child_stats(proxy), STATS_TIMEOUT_S)
+                stats = await asyncio.wait_for(compat.call(proxy, "expert_stream_stats"), STATS_TIMEOUT_S)
                 model_state.stats = stats.get(model_id)
             except Exception:
                 pass  # busy generating: report the last stats it gave

@@ -29,6 +29,7 @@ def host_schema(name: str, internals) -> HostSchema:
         entry_check=dataclass_check(internals.ModelEntryConfig, bounds=ENTRY_BOUNDS),
         top_level_check=section_check("server", internals.ServerConfig, skip=frozenset({"models"}),
                                       bounds={"port": (0, 65535)}) if internals.ServerConfig else None,
+        context_key="context_length" if "context_length" in internals.entry_fields else None,
     )
 
 
