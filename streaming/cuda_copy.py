@@ -4,7 +4,7 @@ MLX's CUDA arrays live in managed memory, and the slot arrays' pages sit on the 
 slot through its host view (the "staged" slot write) makes the driver move the touched pages to
 the host, and the next kernel faults them back. A copy by the driver from page-locked host
 memory into the same pointer moves the bytes by DMA and leaves the pages on the GPU, many
-times faster per expert (README, Measured).
+times faster per expert (streaming/lab/MEASUREMENTS.md).
 
 The copies run on a stream of their own and are waited for before `copy_rows` returns, so MLX
 kernels launched afterwards see the bytes. The caller guarantees that no kernel reads the

@@ -184,7 +184,7 @@ def _window_failed(now, start, size, min_share) -> bool:
 
 def resolve_prefetch(setting) -> bool:
     """The `prefetch` setting; None ("auto") is on, except on CUDA, where reads of guessed
-    experts measured harmful (README, Measured)."""
+    experts measured harmful (streaming/lab/MEASUREMENTS.md)."""
     if setting is not None:
         return bool(setting)
     cuda = getattr(mx, "cuda", None)

@@ -28,7 +28,7 @@ class StreamSettings:
     # Eviction policy name (see streaming/policy.py); "default" is the best measured one.
     policy: str = "default"
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
-    # None: on, except on CUDA where it measured harmful (README, Measured).
+    # None: on, except on CUDA where it measured harmful (streaming/lab/MEASUREMENTS.md).
     prefetch: Optional[bool] = None
     # At most this many reads of guessed experts per layer per token.
     prefetch_per_layer: int = 4
@@ -142,7 +142,7 @@ class StreamSettings:
 # with the reason rather than run without it.
 REMOVED = {
     "speculate": "speculative decode was removed: on replayed real routing it was slower than "
-                 "layer-by-layer decode at every budget measured (README, Measured)",
+                 "layer-by-layer decode at every budget measured",
     "speculate_check_every": "it tuned speculative decode, which was removed (see speculate)",
 }
 

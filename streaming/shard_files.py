@@ -4,7 +4,7 @@ mode in use, and the check that each shard is still the file that was indexed.
 - The `cache_bypass` modes: "direct" reads the aligned covering range with O_DIRECT (Linux);
   "fadvise" reads buffered, then drops the range's pages (posix_fadvise DONTNEED); "nocache"
   reads buffered on descriptors marked F_NOCACHE (macOS); "none" leaves the page cache alone;
-  "auto" is direct on Linux (the fastest there: README, Measured), nocache on macOS.
+  "auto" is direct on Linux (the fastest there: streaming/lab/MEASUREMENTS.md), nocache on macOS.
 - Per file a buffered descriptor and, in direct mode, an O_DIRECT one; opened lazily (all of
   them at once where identities are checked), kept until close().
 - A filesystem that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE and network ones), at
