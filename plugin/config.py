@@ -20,6 +20,7 @@ import yaml
 
 from expert_stream.plugin import yaml_limits
 from expert_stream.plugin.admission import AdmissionError, admit
+from expert_stream.plugin.endpoint_guard import allow_list
 from expert_stream.plugin.paths import expand, is_folder, looks_like_hub_id, resolve_model_path
 from expert_stream.streaming.auto_budget import HEADROOM_GIB
 from expert_stream.streaming.errors import ExpertStreamError, SettingsError
@@ -52,6 +53,7 @@ class PluginOptions:
     memory_gib: Optional[float] = None  # None: what this process may use (streaming/memory_limit.py)
     headroom_gib: float = HEADROOM_GIB  # kept free beside each model's process
     reload_endpoint: bool = True
+    metrics_allow: tuple = ()  # addresses besides this machine that GET /expert-stream/metrics answers
     defaults: dict = field(default_factory=dict)
 
 
@@ -181,6 +183,11 @@ def parse_options(path: Path, block: Any) -> PluginOptions:
         low, high = OPTION_RANGES.get(name, (None, None))
         if low is not None and value is not None and not low <= value <= high:
             raise ConfigError(f"{where}.{name}: must be between {low} and {high}, got {value!r}")
+    if "metrics_allow" in block:
+        try:
+            block["metrics_allow"] = allow_list(block["metrics_allow"], f"{where}.metrics_allow")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if "defaults" in block:
         try:
             refuse_removed(block["defaults"], f"{where}.defaults")

@@ -129,6 +129,7 @@ class ReloadRecord:
     last_error_at: Optional[float] = None
     failed_hash: Optional[str] = None  # an invalid file is not retried until it changes again
     reloads: int = 0
+    reloads_refused: int = 0  # reloads that changed nothing: invalid file, failed validation or apply
     last_reload: Optional[dict] = None  # {reason, removed, changed, added, seconds, cut_off}
     reloading: bool = False
     warnings: list = field(default_factory=list)
@@ -184,6 +185,7 @@ def refuse_reload(record: "ReloadRecord", path: Path, reason: str, exc: Exceptio
     message = str(exc) if isinstance(exc, ConfigError) else \
         f"{path}: validating the config failed: {type(exc).__name__}: {exc}"
     record.fail(message, text_hash)
+    record.reloads_refused += 1
     logging.getLogger("expert_stream").error(
         "expert-stream: reload (%s) refused, still serving the previous config: %s", reason, message,
         exc_info=not isinstance(exc, ConfigError))

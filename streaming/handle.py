@@ -9,6 +9,7 @@ from typing import Optional
 
 from .cache import LayerStats
 from .errors import BudgetError
+from .decode_clock import DecodeClock
 from .recorder import TraceRecorder
 from .settings import GIB
 
@@ -47,6 +48,9 @@ class StreamHandle:
         self.budget = budget  # ModelBudget
         self._lock = threading.Lock()
         self._closed = False
+        self.decode = DecodeClock(lambda: sum(s.cache.stats.bytes_read for s in self.streams))
+        if layers:
+            layers[0].clock = self.decode
 
     @property
     def model_path(self):
@@ -109,6 +113,7 @@ class StreamHandle:
             "cache_bypass": self.reader.cache_bypass,
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
+            "decode": self.decode.as_dict(),
             "layers": layers,
         }
 
@@ -128,6 +133,7 @@ class StreamHandle:
     def reset_stats(self) -> None:
         for s in self.streams:
             s.cache.stats = LayerStats()
+        self.decode.reset()
         for layer in self.layers:
             if layer.lookahead is not None:
                 layer.lookahead.restart_windows()

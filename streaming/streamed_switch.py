@@ -38,6 +38,7 @@ class StreamedSwitch(nn.Module):
         self.floor = None  # the benchmark's ComputeFloor while it times compute alone
         self.online_budget = None  # OnlineBudget moving slots between layers (set by the loader)
         self.path_taken = None  # the path object of the latest call
+        self.clock = None  # decode_clock.DecodeClock on the model's first streamed layer (set by its handle)
 
     def __getattr__(self, name: str):
         # The model may reach into the block it built: muse_spark reads
@@ -56,6 +57,8 @@ class StreamedSwitch(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self.online_budget is not None and self.floor is None:
             self.online_budget.apply(self)  # slots follow the budget, in a layer holding every expert too
+        if self.clock is not None:  # the token count is the shape's: no sync
+            self.clock.tick(indices.size // indices.shape[-1])
         path = self.floor or (self.resident if self.store.on_device() else None)
         if path is not None:
             self.path_taken = path

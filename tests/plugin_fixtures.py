@@ -63,6 +63,17 @@ def make_dense(root: Path, name: str = "dense", seed: int = 0) -> Path:
     return out
 
 
+def non_loopback_address():
+    """This machine's address on its first non-loopback interface, or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+            address = s.getsockname()[0]
+        return None if address.startswith("127.") else address
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,16 +106,43 @@ def http_status(url: str, headers: dict | None = None, method: str = "GET") -> t
 
 
 def control_endpoint_refusals(base: str, port: int) -> None:
-    """Assert what issue 14 item 7 asks of a running host's control endpoints."""
+    """Assert what issue 14 item 7 asks of a running host's control endpoints (issue 27: the
+    metrics and the status page answer under the same rules)."""
+    for url in (base + "/expert-stream/status", base + "/expert-stream/metrics", base + "/expert-stream/"):
+        assert http_status(url)[0] == 200, url
+        assert http_status(url, {"X-Forwarded-For": "localhost"})[0] == 403, url
+        assert http_status(url, {"Host": f"evil.example:{port}"})[0] == 403, url  # DNS rebinding
     status_url = base + "/expert-stream/status"
-    assert http_status(status_url)[0] == 200
-    assert http_status(status_url, {"X-Forwarded-For": "localhost"})[0] == 403
-    assert http_status(status_url, {"Host": f"evil.example:{port}"})[0] == 403  # DNS rebinding
     for method, url in (("GET", status_url), ("POST", base + "/expert-stream/reload"),
-                        ("OPTIONS", base + "/expert-stream/reload")):
+                        ("OPTIONS", base + "/expert-stream/reload"), ("GET", base + "/expert-stream/metrics"),
+                        ("GET", base + "/expert-stream/")):
         code, headers = http_status(url, {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
                                     method)
         assert code == 403 and "access-control-allow-origin" not in headers, (method, code, headers)
+
+
+def scrape(base: str, headers: dict | None = None) -> dict:
+    """GET /expert-stream/metrics parsed by prometheus_client's own parser:
+    {(sample name, ((label, value), ...)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(base + "/expert-stream/metrics", headers=headers or {})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain"), r.headers["Content-Type"]
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def counters_of(metrics: dict, model: str) -> dict:
+    """The `_total` samples of one model (any rank): {(name, labels): value}."""
+    return {k: v for k, v in metrics.items() if k[0].endswith("_total") and ("model", model) in k[1]}
+
+
+def assert_monotonic(before: dict, after: dict) -> None:
+    """Every counter of `before` is in `after`, and none went down."""
+    fell = {k: (v, after.get(k)) for k, v in before.items() if after.get(k) is None or after[k] < v}
+    assert not fell, f"counters that fell or vanished: {fell}"
 
 
 def chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 12) -> tuple[int, dict]:

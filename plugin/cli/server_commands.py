@@ -1,13 +1,10 @@
 """Server commands: `serve` and `mlx-openai-server` (mlx-openai-server with the plugin),
-`mlx-lm-server`, `demo`, `plan` and `status`."""
+`mlx-lm-server`, and (from their own modules) `demo`, `plan` and `status`."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from expert_stream.plugin.cli.server_client import fetch_json, server_url
 from expert_stream.streaming.errors import ExpertStreamError
 
 
@@ -36,18 +33,12 @@ def register(sub) -> None:
     p.set_defaults(func=run_mlx_lm_server)
     _pass_unknown_flags(p, "mlx_lm.server flags (--host, --port, ...)")
 
-    from expert_stream.plugin.cli import demo_command, plan_command
+    from expert_stream.plugin.cli import demo_command, plan_command, status_command
 
     demo_command.register(sub)
     plan_command.register(sub)
 
-    p = sub.add_parser("status", help="ask a running server (started through expert-stream) for its status")
-    p.add_argument("--url", default=None, help="the server's base URL (default: the running server started "
-                   "through expert-stream, from its run file)")
-    p.add_argument("--config", default=None, help="the config the server was started with (picks that server)")
-    p.add_argument("--json", action="store_true", help="print the raw status JSON")
-    p.add_argument("--reload", action="store_true", help="ask it to reload its config first")
-    p.set_defaults(func=run_status)
+    status_command.register(sub)
 
 
 def _pass_unknown_flags(parser: argparse.ArgumentParser, what: str) -> None:
@@ -95,69 +86,3 @@ def run_openai_passthrough(args) -> int:
 
 def run_mlx_lm_server(args) -> int:
     return _host("mlx_lm.server").serve(args.config, _strip_dashes(args.host_args))
-
-
-def model_line(model_id: str, model: dict) -> str:
-    """One model of the status, as `status` prints it."""
-    line = f"  {model_id}: {model['state']}"
-    if model["streamed"]:
-        budget = model.get("budget") or {}
-        gib = budget.get("budget_gib", model["settings"]["budget_gib"])
-        line += ", streamed, budget auto" if gib == "auto" else \
-            f", streamed, budget {gib} GiB" + (" (auto)" if budget.get("auto") else "")
-        stats = model.get("stats") or {}
-        totals = stats.get("totals")
-        layers = stats.get("streamed_layers", 0) + stats.get("resident_layers", 0)
-        # A layer whose slots hold all its experts never looks anything up: no hits, no misses.
-        held = stats.get("resident_layers", 0) + sum(
-            1 for layer in (stats.get("layers") or {}).values()
-            if not layer.get("hits") and not layer.get("misses") and layer.get("resident_calls"))
-        if totals and not totals["hits"] and not totals["misses"] and held:
-            line += f", every expert resident ({layers} MoE layers, nothing read)"
-        elif totals:
-            line += (f", hit rate {totals['hit_rate']:.1%}, {totals['misses']} misses, "
-                     f"{totals['bytes_read'] / 1e9:.3f} GB read")
-            if held:
-                line += f", {held} of {layers} MoE layers hold every expert"
-    else:
-        line += ", stock"
-    if model.get("error"):
-        line += f" ({model['error']})"
-    return line
-
-
-def run_status(args) -> int:
-    base = server_url(args.url, args.config)
-    if args.reload:
-        result = fetch_json(base + "/expert-stream/reload", method="POST", timeout=3600)
-        print("reload:", "ok" if result.get("ok") else f"refused: {result.get('error')}")
-    status = fetch_json(base + "/expert-stream/status")
-    if args.json:
-        json.dump(status, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"config:   {status['config_path']} ({status['host']} {status['host_version']})")
-    print(f"applied:  {(status.get('applied_hash') or '-')[:12]}  reloads: {status['reloads']}"
-          + ("  (reloading now)" if status.get("reloading") else ""))
-    if status.get("last_error"):
-        print(f"error:    {status['last_error']}")
-    for model_id, model in status["models"].items():
-        print(model_line(model_id, model))
-    if status.get("pipeline"):
-        print(rank_lines(status["pipeline"]))
-    return 0
-
-
-def rank_lines(pipeline: dict) -> str:
-    """Every rank's counters (gathered through mlx.distributed between two requests)."""
-    age = pipeline.get("age_seconds")
-    lines = [f"pipeline: {pipeline['ranks']} ranks, {pipeline.get('model') or 'no model loaded'}"
-             + (f", counters as of {age} s ago" if age is not None else ", no counters yet")]
-    for r in pipeline.get("per_rank", []):
-        if not r["loaded"]:
-            lines.append(f"  rank {r['rank']}: not loaded")
-            continue
-        lines.append(f"  rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, {r['streamed_layers']} "
-                     f"streamed, {r['slot_bytes'] / 2**30:.4f} GiB of slots, hit rate {r['hit_rate']:.1%}, "
-                     f"{r['misses']} misses, {r['bytes_read'] / 1e9:.3f} GB read")
-    return "\n".join(lines)

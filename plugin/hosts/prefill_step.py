@@ -4,7 +4,11 @@
 The hosts pass their own step (mlx_lm.server its `--prefill-step-size`, mlx-openai-server
 mlx-lm's default), the same for every model. For a streamed model the chunk size decides how
 often the prefill sweep reads each expert (once per chunk), so its entry's `prefill_step` wins;
-any other model gets the host's value untouched."""
+any other model gets the host's value untouched.
+
+It is also where a generation starts, on the thread that runs it: the streamed model's decode
+clock starts a new run there (a prompt answered from the prompt cache can begin with a
+single-token call, which the clock alone would take for the next decode step)."""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ import threading
 import weakref
 
 _lock = threading.Lock()
-# id(model) of a loaded streamed model -> (a weak reference to it, its prefill_step); the
-# reference guards against a later model that reuses a freed model's id.
+# id(model) of a loaded streamed model -> (a weak reference to it, its prefill_step, what to
+# call as a generation starts); the reference guards against a later model that reuses a freed
+# model's id.
 _steps: dict[int, tuple] = {}
 _original = None
 
@@ -44,9 +49,9 @@ def install() -> None:
         generate.generate_step = _generate_step
 
 
-def register(model, prefill_step: int) -> None:
+def register(model, prefill_step: int, on_start=None) -> None:
     with _lock:
-        _steps[id(model)] = (weakref.ref(model), int(prefill_step))
+        _steps[id(model)] = (weakref.ref(model), int(prefill_step), on_start)
 
 
 def unregister(model) -> None:
@@ -56,7 +61,9 @@ def unregister(model) -> None:
 
 def _generate_step(prompt, model, *args, **kwargs):
     with _lock:
-        ref, step = _steps.get(id(model), (None, None))
+        ref, step, on_start = _steps.get(id(model), (None, None, None))
     if ref is not None and ref() is model:
         kwargs["prefill_step_size"] = step
+        if on_start is not None:
+            on_start()
     return _original(prompt, model, *args, **kwargs)

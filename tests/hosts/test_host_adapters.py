@@ -64,7 +64,7 @@ def test_mlx_lm_server_start_up_check_names_the_missing_internal_and_version(mon
         MLX_LM_SERVER.internals()
     message = str(refused.value)
     assert f"mlx_lm.server (mlx-lm) {version} is not supported" in message
-    assert "ModelProvider._load is missing" in message and "ResponseGenerator.generate is missing" in message
+    assert "ModelProvider._load is missing" in message and "ResponseGenerator.generate(request, generation_args) is missing" in message
     with pytest.raises(HostError, match="ModelProvider._load is missing"):  # before anything starts
         MLX_LM_SERVER.serve(str(tmp_path / "never-read.yaml"), [])
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin_fixtures import HostProcess, chat, chat_text, free_port, http_json, stock_greedy, wait_for
+from plugin_fixtures import (
+    HostProcess, assert_monotonic, chat, chat_text, counters_of, free_port, http_json, scrape, stock_greedy, wait_for,
+)
 from test_pipeline import LAYERS, _mlx_launch, _shards_by_layers
 
 from expert_stream.streaming.footprint import checkpoint_footprint
@@ -83,6 +85,15 @@ def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_al
         printed = capsys.readouterr().out
         assert "pipeline: 2 ranks, moe" in printed and "rank 0: layers 2-3, 2 streamed" in printed, printed
         assert "rank 1: layers 0-1, 1 streamed" in printed, printed
+        # Issue 27: the metrics carry each rank's cache figures; the model's counters sum the ranks'.
+        metrics = scrape(host.base)
+        for rank in (0, 1):
+            labels = (("model", "moe"), ("rank", str(rank)))
+            assert metrics[("expert_stream_expert_misses_total", labels)] == by_rank[rank]["counters"]["misses"] > 0
+            assert metrics[("expert_stream_slot_bytes", labels)] == by_rank[rank]["slot_bytes"]
+        model_counters = http_json(host.base + "/expert-stream/status")[1]["models"]["moe"]["counters"]
+        assert model_counters["misses"] == sum(r["counters"]["misses"] for r in by_rank.values())
+        before = counters_of(metrics, "moe")
         # A budget edit on rank 0's machine only: refused on every rank, naming the rank that differs.
         _write_config(tmp_path, 1.5 * budget, ranks=(0,))
         code, body = http_json(host.base + "/expert-stream/reload", method="POST")
@@ -98,6 +109,7 @@ def test_pipeline_server_answers_like_stock_reports_every_rank_and_reloads_on_al
                          what="rank 0's new slots")
         # rank 0: 9 slots in each of its 2 MoE layers instead of 6; rank 1's one layer now holds all 16 experts
         assert after[1]["resident_layers"] == 1 and after[1]["streamed_layers"] == 0, (by_rank, after)
+        assert_monotonic(before, counters_of(scrape(host.base), "moe"))  # across the reload, on each rank
     finally:
         host.stop()
 

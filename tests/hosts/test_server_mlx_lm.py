@@ -1,14 +1,25 @@
-"""mlx_lm.server through `expert-stream mlx-lm-server`: a streamed model answers, then reloads."""
+"""mlx_lm.server through `expert-stream mlx-lm-server`: a streamed model answers, then reloads.
+The server listens on every address (0.0.0.0) so that the metrics can be read from this
+machine's other address, which `metrics_allow` names (issue 27)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, chat, chat_text, control_endpoint_refusals, expert_stream_argv, free_port,
-    http_json, make_moe, stock_greedy, wait_for,
+    ENGINE_SETTINGS, HostProcess, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
+    expert_stream_argv, free_port, http_json, http_status, make_moe, non_loopback_address, scrape, stock_greedy,
+    stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -17,9 +28,13 @@ PROMPT = "Tell me about solid state drives."
 SETTINGS = ", ".join(f"{k}: {json.dumps(v)}" for k, v in ENGINE_SETTINGS.items())
 
 
-def models_yaml(moe, entries):
+OTHER = non_loopback_address()  # this machine's address that is not loopback, or None
+
+
+def models_yaml(moe, entries, metrics_allow=(OTHER,) if OTHER else ()):
     """The checkpoint is written `~/moe`, as the README writes paths (the server's HOME is its folder)."""
-    lines = ["expert_stream: {watch: true, poll_seconds: 0.3, debounce_seconds: 0.3}", "models:"]
+    allow = f", metrics_allow: {json.dumps(list(metrics_allow))}" if metrics_allow else ""
+    lines = [f"expert_stream: {{watch: true, poll_seconds: 0.3, debounce_seconds: 0.3{allow}}}", "models:"]
     for served, budget in entries:
         lines += [f"  - model_path: ~/{moe.name}", f"    served_model_name: {served}",
                   f"    expert_stream: {{budget_gib: {budget:.6f}, {SETTINGS}}}"]
@@ -33,7 +48,7 @@ def server(tmp_path_factory):
     port = free_port()
     path = work / "models.yaml"
     path.write_text(models_yaml(moe, [("moe", 0.00005)]))
-    host = HostProcess(expert_stream_argv("mlx-lm-server", "--config", str(path), "--", "--host", "127.0.0.1",
+    host = HostProcess(expert_stream_argv("mlx-lm-server", "--config", str(path), "--", "--host", "0.0.0.0",
                                           "--port", str(port)),
                        f"http://127.0.0.1:{port}", work / "server.log", work,
                        # no Hugging Face cache: the host's own /v1/models would list nothing
@@ -59,8 +74,36 @@ def test_streamed_model_answers_like_stock(server):
     assert code == 200 and [m["id"] for m in listed["data"]] == ["moe"]
 
 
+def test_metrics_while_a_request_runs(server):
+    """Issue 27: a scrape parsed by prometheus_client's parser while a request streams: it runs,
+    and its decode tokens grow from one scrape to the next (mlx_lm.server serves in this process)."""
+    host, _, _, _ = server
+    started, result = threading.Event(), {}
+    client = threading.Thread(target=lambda: result.setdefault(
+        "out", stream_chat(host.base, "moe", PROMPT, 400, on_first=started.set)))
+    client.start()
+    assert started.wait(120)
+    moe = (("model", "moe"),)
+    first = scrape(host.base)
+    assert first[("expert_stream_requests_in_flight", moe)] == 1
+    second = wait_for(lambda: (m := scrape(host.base))[("expert_stream_decode_tokens_total", moe)] >
+                      first[("expert_stream_decode_tokens_total", moe)] and m, timeout=60, interval=0.2,
+                      what="decode tokens to grow during the request")
+    assert_monotonic(counters_of(first, "moe"), counters_of(second, "moe"))
+    client.join(300)
+    assert result["out"][3], "the request did not finish"
+    after = scrape(host.base)
+    status = http_json(host.base + "/expert-stream/status")[1]["models"]["moe"]
+    assert after[("expert_stream_requests_in_flight", moe)] == 0
+    for counter, name in (("hits", "expert_hits"), ("misses", "expert_misses"), ("bytes_read", "read_bytes"),
+                          ("decode_tokens", "decode_tokens")):
+        assert after[(f"expert_stream_{name}_total", moe)] == status["counters"][counter], counter
+    assert after[("expert_stream_slots", moe)] == 6 and after[("expert_stream_budget_bytes", moe)] == round(0.00005 * 2**30)
+
+
 def test_budget_change_reloads_at_the_next_request(server):
     host, path, moe, _ = server
+    before = counters_of(scrape(host.base), "moe")
     path.write_text(models_yaml(moe, [("moe", 0.0001)]))
     status = wait_for(lambda: (s := http_json(host.base + "/expert-stream/status")[1])["reloads"] >= 1 and s,
                       timeout=60, what="the watcher to apply the edit")
@@ -69,6 +112,12 @@ def test_budget_change_reloads_at_the_next_request(server):
     assert chat_text(host.base, "moe", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)
     status = http_json(host.base + "/expert-stream/status")[1]
     assert status["models"]["moe"]["state"] == "loaded" and slots(status) == 6
+    # The new model's counters add to the old one's (issue 27): none fell, the new reads count.
+    after = counters_of(scrape(host.base), "moe")
+    assert_monotonic(before, after)
+    read = ("expert_stream_read_bytes_total", (("model", "moe"),))
+    assert after[read] > before[read]
+    assert status["models"]["moe"]["stats"]["totals"]["bytes_read"] < after[read]  # the handle's own: since its load
 
 
 def test_alias_added_then_removed(server):
@@ -90,16 +139,138 @@ def test_control_endpoints_trust_the_socket_peer_only(server):
     control_endpoint_refusals(host.base, port)
 
 
+@pytest.mark.skipif(OTHER is None, reason="this machine has no address but loopback: no other peer to allow")
+def test_metrics_allow_opens_the_metrics_to_a_named_address(server):
+    """The server listens on 0.0.0.0; a request from this machine's other address is not
+    loopback: metrics_allow names it, so it may read the metrics, and nothing else."""
+    host, path, moe, port = server
+    other = f"http://{OTHER}:{port}"
+    assert ("expert_stream_model_state", (("model", "renamed"), ("state", "loaded"))) in scrape(other)
+    for url in (other + "/expert-stream/status", other + "/expert-stream/"):
+        assert http_status(url)[0] == 403, url
+    assert http_json(other + "/expert-stream/reload", method="POST")[0] == 403
+    # metrics_allow follows the file: taken out, the address is refused at once after the reload.
+    path.write_text(models_yaml(moe, [("renamed", 0.0001)], metrics_allow=()))
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+    assert code == 200, body
+    assert http_status(other + "/expert-stream/metrics")[0] == 403
+
+
+
+def test_status_watch_draws_frames_until_ctrl_c(server):
+    """`expert-stream status --watch` against the running server: frames with the model's row,
+    then Ctrl-C (SIGINT) ends it cleanly."""
+    host, _, _, _ = server
+    watch = subprocess.Popen(expert_stream_argv("status", "--url", host.base, "--watch", "--interval", "0.3"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while sum(line.startswith("renamed ") for line in lines) < 2:  # two frames
+            line = watch.stdout.readline()
+            assert line, f"the watch ended early: {watch.wait()} {watch.stderr.read()}"
+            lines.append(line)
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(30) == 0, watch.stderr.read()
+    finally:
+        watch.kill()
+    row = next(line for line in lines if line.startswith("renamed "))
+    assert row.split()[1:4] == ["loaded", "107", "KB"] and "%" in row, row  # budget_gib 0.0001
+    assert any(line.startswith("config  models.yaml") for line in lines)
+    assert "Traceback" not in watch.stderr.read()
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+class _Figures(HTMLParser):
+    """From the page's DOM: {(model, field): data-value}, {(model, layer): data-value}, and
+    each plot's data-points."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.fields, self.layers, self.plots, self.body = None, {}, {}, {}, {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.body = a
+        if "data-model" in a:
+            self.model = a["data-model"]
+        elif a.get("data-section"):
+            self.model = a["data-section"]
+        if "data-field" in a and "data-value" in a:
+            self.fields[(self.model, a["data-field"])] = a["data-value"]
+        if "data-layer" in a:
+            self.layers[(self.model, a["data-layer"])] = a["data-value"]
+        if "data-plot" in a:
+            self.plots[a["data-plot"]] = a.get("data-points")
+
+
+def _chromium(url: str, work, *args: str) -> subprocess.CompletedProcess:
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={work / 'chromium-profile'}", "--window-size=1280,1100",
+             "--virtual-time-budget=6000"]
+    done = subprocess.run([*flags, *args, url], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium to load the status page in a real browser "
+                                              "(Debian: apt-get install chromium)")
+def test_status_page_in_a_real_browser(server, tmp_path):
+    """Issue 27: the status page, loaded in headless Chromium against the running server after a
+    few requests, draws its plot and shows the status endpoint's numbers. The screenshot stays
+    in the test's folder (and in $EXPERT_STREAM_ARTIFACTS when set)."""
+    host, _, moe, _ = server
+    name = "renamed"
+
+    def samples():  # the history's samples that hold the model
+        history = http_json(host.base + "/expert-stream/status")[1]["history"]
+        return sum(name in sample["models"] for sample in history["samples"])
+
+    seen = samples()
+    wait_for(lambda: samples() > seen, timeout=30, what="a sample before the requests")
+    for prompt in (PROMPT, "And about hard disks?"):  # each in an interval of its own
+        seen = samples()
+        chat_text(host.base, name, prompt, 24)
+        wait_for(lambda: samples() > seen, timeout=30, what="a history sample after the request")
+    dom = _chromium(host.base + "/expert-stream/", tmp_path, "--dump-dom").stdout
+    status = http_json(host.base + "/expert-stream/status")[1]  # idle: the counters hold still
+    page = _Figures()
+    page.feed(dom)
+    assert int(page.body.get("data-polls", 0)) >= 1, dom[:2000]
+    assert int(page.plots[name]) >= 2, ("the plot did not draw the requests' intervals", status["history"])
+    model = status["models"][name]
+    expected = {"hits": model["counters"]["hits"], "misses": model["counters"]["misses"],
+                "bytes_read": model["counters"]["bytes_read"], "decode_tokens": model["counters"]["decode_tokens"],
+                "slot_bytes": model["stats"]["slot_bytes"], "state": model["state"],
+                "slots": sum(layer["slots"] for layer in model["stats"]["layers"].values()),
+                "budget_bytes": round(model["settings"]["budget_gib"] * 2**30)}
+    shown = {field: page.fields.get((name, field)) for field in expected}
+    assert shown == {k: str(v) for k, v in expected.items()}
+    assert float(page.fields[(name, "hit_rate")]) == pytest.approx(
+        model["counters"]["hits"] / (model["counters"]["hits"] + model["counters"]["misses"]))
+    for layer, figures in model["stats"]["layers"].items():
+        assert float(page.layers[(name, layer)]) == pytest.approx(
+            figures["hits"] / (figures["hits"] + figures["misses"]))
+    assert page.fields[("reload", "reloads")] == str(status["reloads"])
+    assert page.fields[("reload", "reloads_refused")] == str(status["reloads_refused"])
+    assert page.fields[("reload", "last_reload")] == status["last_reload"]["reason"]
+
+    shot = tmp_path / "status-page.png"
+    _chromium(host.base + "/expert-stream/", tmp_path, f"--screenshot={shot}")
+    assert shot.stat().st_size > 10_000
+    print(f"status page screenshot: {shot}")
+    if os.environ.get("EXPERT_STREAM_ARTIFACTS"):
+        artifacts = Path(os.environ["EXPERT_STREAM_ARTIFACTS"])
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, artifacts / "status-page.png")
+
 
 def test_sigint_stops_the_server_within_seconds_and_cuts_the_request_in_flight(server):
     """Last in the file: it stops the module's server."""
-    import os
-    import signal
-    import threading
-    import time
-
-    from plugin_fixtures import stream_chat
-
     host, _, _, _ = server
     started, result = threading.Event(), {}
 
@@ -112,6 +283,8 @@ def test_sigint_stops_the_server_within_seconds_and_cuts_the_request_in_flight(s
     client = threading.Thread(target=stream)
     client.start()
     assert started.wait(120), "the streaming request never started"
+    watch = subprocess.Popen(expert_stream_argv("status", "--url", host.base, "--watch", "--interval", "0.3"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.perf_counter()
     os.kill(host.process.pid, signal.SIGINT)
     host.wait_exit(timeout=30)
@@ -120,3 +293,6 @@ def test_sigint_stops_the_server_within_seconds_and_cuts_the_request_in_flight(s
     assert not client.is_alive(), "the request in flight hangs"
     assert stopped < 10, f"SIGINT took {stopped:.1f} s"
     assert "error" in result or not result["out"][3], result  # no [DONE]: cut, not finished
+    # A `status --watch` that was following the server says so and ends (issue 27).
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 1 and "the server went away" in out, (out[-2000:], err[-2000:])

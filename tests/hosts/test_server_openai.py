@@ -13,8 +13,9 @@ import time
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, chat, chat_text, control_endpoint_refusals, expert_stream_argv, free_port,
-    http_json, make_dense, make_moe, needs_openai_server, stock_greedy, stream_chat, wait_for,
+    ENGINE_SETTINGS, HostProcess, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
+    expert_stream_argv, free_port, http_json, make_dense, make_moe, needs_openai_server, scrape, stock_greedy,
+    stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -78,6 +79,47 @@ def test_streamed_model_answers_like_stock(server, models):
     assert moe["stats"]["totals"]["misses"] > 0 and moe["stats"]["totals"]["evictions"] > 0
 
 
+def test_metrics_while_a_request_runs(server):
+    """Issue 27: a scrape parsed by prometheus_client's parser while a request streams. The model
+    process answers the parent's RPC only between requests; its counters reach the parent through
+    shared memory, so they grow while it generates."""
+    host, _, _ = server
+    started, result = threading.Event(), {}
+    client = threading.Thread(target=lambda: result.setdefault(
+        "out", stream_chat(host.base, "moe", PROMPT, 400, on_first=started.set)))
+    client.start()
+    assert started.wait(120)
+    moe = (("model", "moe"),)
+    first = scrape(host.base)
+    assert first[("expert_stream_requests_in_flight", moe)] == 1
+    assert first[("expert_stream_model_state", (("model", "dense"), ("state", "ready")))] == 1
+    second = wait_for(lambda: (m := scrape(host.base))[("expert_stream_decode_tokens_total", moe)] >
+                      first[("expert_stream_decode_tokens_total", moe)] and m, timeout=60, interval=0.2,
+                      what="decode tokens to grow during the request")
+    assert_monotonic(counters_of(first, "moe"), counters_of(second, "moe"))
+    client.join(300)
+    assert result["out"][3], "the request did not finish"
+    time.sleep(1.0)  # the process writes its counters every half second
+    after = scrape(host.base)
+    status = http_json(host.base + "/expert-stream/status")[1]
+    moe_status = status["models"]["moe"]
+    assert after[("expert_stream_requests_in_flight", moe)] == 0
+    for counter, name in (("hits", "expert_hits"), ("misses", "expert_misses"), ("bytes_read", "read_bytes"),
+                          ("decode_tokens", "decode_tokens")):
+        assert after[(f"expert_stream_{name}_total", moe)] == moe_status["counters"][counter], counter
+    # One process served the model since start: its counters are the handle's own.
+    assert moe_status["counters"]["hits"] == moe_status["stats"]["totals"]["hits"]
+    assert moe_status["counters"]["decode_tokens"] == moe_status["stats"]["decode"]["tokens"]
+    assert moe_status["memory"]["rss_bytes"] > 0 and after[("expert_stream_restarts_total", moe)] == 0
+    # The terminal's view of the same document.
+    from expert_stream.plugin.cli.status_command import frame
+
+    rows = frame(status, host.base, 2, time.time()).splitlines()
+    moe_row = next(line for line in rows if line.startswith("moe "))
+    assert moe_row.split()[1:4] == ["ready", "53.7", "KB"] and "%" in moe_row  # budget_gib 0.00005
+    assert next(line for line in rows if line.startswith("dense ")).split()[1:3] == ["ready", "stock"]
+
+
 def test_dense_model_is_untouched(server, models):
     host, _, _ = server
     assert chat_text(host.base, "dense", PROMPT, 16) == stock_greedy(models["dense"], PROMPT, 16)
@@ -107,6 +149,7 @@ def test_invalid_edit_keeps_serving_and_shows_the_error(server, models):
                       timeout=60, what="the watcher to report the invalid edit")
     assert "models[0] (moe).expert_stream: unknown setting(s) budjet" in status["last_error"]
     assert status["applied_hash"] == before["applied_hash"]
+    assert scrape(host.base)[("expert_stream_reloads_total", (("outcome", "refused"),))] == 1
     assert chat_text(host.base, "moe", PROMPT, 8)  # still serving the old config
     code, body = http_json(host.base + "/expert-stream/reload", method="POST")
     assert code == 422 and "budjet" in body["error"]
@@ -128,6 +171,7 @@ def test_hot_reload_while_a_streaming_request_is_in_flight(server, models):
     client = threading.Thread(target=stream)
     client.start()
     assert started.wait(120), "the streaming request never started"
+    before = counters_of(scrape(host.base), "moe")
     # Change moe's budget, remove dense, add a second streamed entry.
     path.write_text(config_text(models, port, [("moe", "moe", 0.0001), ("moe-b", "moe", 0.00005)]))
     t0 = time.perf_counter()
@@ -150,6 +194,15 @@ def test_hot_reload_while_a_streaming_request_is_in_flight(server, models):
     assert chat_text(host.base, "moe", PROMPT, 12) == short
     assert chat_text(host.base, "moe-b", PROMPT, 12) == short
     assert chat(host.base, "dense", PROMPT, 4)[0] == 404
+    # Issue 27: moe's counters go on from the old process's (it finished its request after the
+    # switch), the new one's added; nothing fell.
+    time.sleep(1.0)  # the process writes its counters every half second
+    after = scrape(host.base)
+    assert_monotonic(before, counters_of(after, "moe"))
+    hits = ("expert_stream_expert_hits_total", (("model", "moe"),))
+    new_process = http_json(host.base + "/expert-stream/status")[1]["models"]["moe"]["stats"]["totals"]["hits"]
+    assert after[hits] > new_process > 0
+    assert after[("expert_stream_reloads_total", (("outcome", "applied"),))] >= 1
 
 
 @pytest.mark.slow
@@ -289,6 +342,7 @@ def test_a_killed_model_process_is_detected_and_restarted(server, models):
     assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
     children = wait_for(lambda: (c := model_processes()) and len(c) == 1 and c, timeout=120,
                         what="one model process")
+    before = counters_of(scrape(host.base), "moe")
     started = threading.Event()
     result = {}
 
@@ -317,3 +371,9 @@ def test_a_killed_model_process_is_detected_and_restarted(server, models):
                       what="the model to be restarted")
     assert status["models"]["moe"]["restarts"] == 1
     assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+    # Issue 27: the killed process's counters stay in the served name's (monotonic), and the
+    # restart is counted.
+    time.sleep(1.0)
+    after = scrape(host.base)
+    assert_monotonic(before, counters_of(after, "moe"))
+    assert after[("expert_stream_restarts_total", (("model", "moe"),))] == 1

@@ -5,7 +5,6 @@ from loopback, as uvicorn does by default), the guard installed as the plugin in
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -14,21 +13,10 @@ import pytest
 
 from expert_stream.plugin.endpoint_guard import ControlGuard, host_name, loopback_address, refusal
 from expert_stream.plugin.redact import redact, redact_errors
-from plugin_fixtures import free_port, http_status as get
+from plugin_fixtures import free_port, http_status as get, non_loopback_address
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-
-
-def non_loopback_address():
-    """This machine's address on its first non-loopback interface, or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
-            address = s.getsockname()[0]
-        return None if address.startswith("127.") else address
-    except OSError:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +24,17 @@ def server():
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import JSONResponse
 
+    other = non_loopback_address()
+    paths = ["/expert-stream/status", "/expert-stream/metrics"]
+
+    def allowed(path):  # as the hosts do: metrics_allow opens the metrics only
+        return (f"{other}/32",) if other and path == "/expert-stream/metrics" else ()
+
     @asynccontextmanager
     async def lifespan(app):
-        app.add_route("/expert-stream/status", lambda request: JSONResponse({"ok": True}), methods=["GET"])
-        app.middleware_stack = ControlGuard(app.middleware_stack, ["/expert-stream/status"], "0.0.0.0")
+        for path in paths:
+            app.add_route(path, lambda request: JSONResponse({"ok": True}), methods=["GET"])
+        app.middleware_stack = ControlGuard(app.middleware_stack, paths, "0.0.0.0", allowed)
         yield
 
     app = fastapi.FastAPI(lifespan=lifespan)
@@ -82,6 +77,17 @@ def test_control_endpoints_answer_local_programs_only(server):
     other = non_loopback_address()
     if other:  # a peer that is not loopback, even when it says it is
         assert get(f"http://{other}:{server}/expert-stream/status", {"Host": "localhost"})[0] == 403
+
+
+def test_metrics_allow_opens_the_metrics_only(server):
+    other = non_loopback_address()
+    if other is None:
+        pytest.skip("this machine has no address but loopback: no other peer to allow")
+    assert get(f"http://{other}:{server}/expert-stream/metrics")[0] == 200
+    assert get(f"http://{other}:{server}/expert-stream/status")[0] == 403
+    assert get(f"http://{other}:{server}/expert-stream/metrics", {"Host": f"evil.example:{server}"})[0] == 403
+    status, headers = get(f"http://{other}:{server}/expert-stream/metrics", {"Origin": f"http://{other}:{server}"})
+    assert status == 403 and not any(h.startswith("access-control-") for h in headers)
 
 
 def test_refusal_rules():

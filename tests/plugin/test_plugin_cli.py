@@ -120,7 +120,7 @@ def test_status_line_shows_a_model_whose_experts_all_fit_as_resident(tmp_path):
     import mlx_lm
 
     import expert_stream
-    from expert_stream.plugin.cli.server_commands import model_line
+    from expert_stream.plugin.cli.status_command import model_line
     from expert_stream.streaming.footprint import checkpoint_footprint
 
     moe = make_moe(tmp_path)

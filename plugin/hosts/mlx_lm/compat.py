@@ -35,8 +35,8 @@ def check(host: str, version: str) -> SimpleNamespace:
         if not callable(getattr(handler, method, None)):
             problems.append(f"APIHandler.{method} is missing")
     generator = getattr(server, "ResponseGenerator", None)
-    if not callable(getattr(generator, "generate", None)):
-        problems.append("ResponseGenerator.generate is missing")
+    if parameter_names(getattr(generator, "generate", None))[:3] != ["self", "request", "generation_args"]:
+        problems.append("ResponseGenerator.generate(request, generation_args) is missing")
     if not callable(getattr(server, "main", None)):
         problems.append("mlx_lm.server.main is missing")
     if getattr(server, "load", None) is not mlx_lm.utils.load:
@@ -76,6 +76,13 @@ def wrap_generate(Generator, wrap) -> None:
     """ResponseGenerator.generate becomes `wrap(generate)` (the plugin's errors reach clients as
     text through it)."""
     Generator.generate = wrap(Generator.generate)
+
+
+def requested_model(args, kwargs):
+    """The model a `ResponseGenerator.generate(self, request, generation_args, ...)` call asks for
+    (its served name, "default_model", or None)."""
+    generation_args = kwargs.get("generation_args", args[2] if len(args) > 2 else None)
+    return getattr(getattr(generation_args, "model", None), "model", None)
 
 
 def patch_handler(Handler, on_get, on_post, on_options) -> None:

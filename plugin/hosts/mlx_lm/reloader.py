@@ -9,18 +9,23 @@ flight finishes on the old model and the next one waits for the load, never refu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from expert_stream.plugin.config import HostConfig
 from expert_stream.plugin.hosts.mlx_lm import compat
+from expert_stream.plugin.hosts.mlx_lm.request_counts import RequestCounts
 from expert_stream.plugin.hosts.mlx_lm.routes import patch_handler
+from expert_stream.plugin.live_figures import COUNTERS, MEMORY, CounterLedger, handle_counters, process_memory
 from expert_stream.plugin.redact import redacting_calls
 from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
     unchanged_file
 from expert_stream.streaming.errors import BudgetError
+from expert_stream.plugin.status_history import StatusHistory, add_figures
 
 log = logging.getLogger("expert_stream")
 
@@ -42,6 +47,11 @@ class LmServerState:
         self.record = ReloadRecord(str(config.path), host.name, internals.version,
                                    applied_hash=config.text_hash, applied_at=time.time())
         self._sync_models()
+        self.requests = RequestCounts(self._served_name)
+        self.ledger = CounterLedger()  # monotonic counters per served name, over its handles
+        self._sources = weakref.WeakKeyDictionary()  # handle -> its number in the ledger
+        self._numbers = itertools.count()
+        self.history = StatusHistory()
 
     # -- the config as the provider sees it ---------------------------------------------------
     def aliases(self) -> dict[str, str]:
@@ -74,7 +84,8 @@ class LmServerState:
         interception.set_targets(self.targets())
         compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._dropping,
                               self._loaded)
-        compat.wrap_generate(self.internals.ResponseGenerator, redacting_calls)  # errors reach clients as text
+        compat.wrap_generate(self.internals.ResponseGenerator,  # errors reach clients as text; requests counted
+                             lambda generate: redacting_calls(self.requests.counting(generate, compat.requested_model)))
         patch_handler(self)
 
     def _provider_made(self, provider, cli_args) -> None:
@@ -91,6 +102,7 @@ class LmServerState:
             loaded = compat.loaded_folder(provider)
             if loaded is not None and str(Path(loaded).resolve()) in self.stale:
                 self.stale.discard(str(Path(loaded).resolve()))
+                self._observe()  # the last counters of the handle the load replaces
                 compat.forget_loaded(provider)  # forces a load with the new settings
 
     def _dropping(self, provider) -> None:
@@ -185,13 +197,62 @@ class LmServerState:
         from expert_stream.plugin.hosts import interception
 
         stats = interception.stats()
+        counters = self._observe()
         with self.lock:
             for model_id, model_state in self.record.models.items():
                 if model_id in stats:
                     model_state.stats = stats[model_id]
                     model_state.budget = stats[model_id]["budget"]
             out = self.record.as_dict()
-        out["loaded_model"] = compat.loaded_folder(self.provider)
+            loaded = compat.loaded_folder(self.provider)
+            serving = [e.model_id for e in self.config.entries
+                       if loaded and str(e.resolved_path()) == str(Path(loaded).resolve())]
+        out["loaded_model"] = loaded
+        memory = {}  # in pipeline mode: per rank, in the pipeline's rows
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline.status()
-        return out
+        elif serving:
+            memory = dict.fromkeys(serving, dict(zip(MEMORY, map(int, process_memory()))))
+        return add_figures(out, self.history, counters, self.requests.snapshot(), memory)
+
+    # -- the operator's figures -------------------------------------------------------------
+    def _served_name(self, requested):
+        """The served name a request counts under (None: a model outside the config)."""
+        with self.lock:
+            ids = self.config.by_id()
+            default = self.config.top_level.get("default_model") or self.config.entries[0].model_id
+        if requested in ids:
+            return requested
+        return default if requested in (None, "", "default_model") else None
+
+    def _observe(self) -> dict:
+        """{served name: monotonic counters} of the streamed entries: this process's handles
+        (one ledger source per handle; a handle that went is retired), or in pipeline mode
+        every rank's (each rank keeps its own monotonic counters; a rank is a source)."""
+        from expert_stream.plugin.hosts import interception
+
+        with self.lock:
+            if self.pipeline is not None:
+                pipeline = self.pipeline.status()
+                for row in pipeline["per_rank"]:
+                    if row["loaded"] and pipeline["model"]:
+                        self.ledger.observe(pipeline["model"], ("rank", row["rank"]),
+                                            [row["counters"][c] for c in COUNTERS])
+            else:
+                for model_id, handle in interception.handles().items():
+                    number = self._sources.get(handle)
+                    if number is None:
+                        number = self._sources[handle] = next(self._numbers)
+                    self.ledger.observe(model_id, number, handle_counters(handle))
+                    for gone in set(self.ledger.sources(model_id)) - {number}:
+                        self.ledger.retire(model_id, gone)
+            return {e.model_id: self.ledger.totals(e.model_id) for e in self.config.entries if e.streamed}
+
+    def sample(self) -> None:
+        """Every history interval, the counters of each served model (a daemon thread)."""
+        while True:
+            try:
+                self.history.add(self._observe())
+            except Exception:  # the sampler outlives its own failures
+                log.exception("expert-stream: sampling the counters failed")
+            time.sleep(self.history.interval_s)

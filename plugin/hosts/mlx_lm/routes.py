@@ -1,12 +1,14 @@
-"""What the plugin adds to mlx_lm.server's HTTP handler: GET /expert-stream/status and POST
-/expert-stream/reload (loopback programs only, see endpoint_guard), and a /v1/models that lists
-the configured served names (the host's lists the Hugging Face cache)."""
+"""What the plugin adds to mlx_lm.server's HTTP handler: GET /expert-stream/status, POST
+/expert-stream/reload, GET /expert-stream/metrics and the status page GET /expert-stream/
+(loopback programs only, see endpoint_guard; the metrics also the addresses of metrics_allow),
+and a /v1/models that lists the configured served names (the host's lists the Hugging Face cache)."""
 
 from __future__ import annotations
 
 import json
 
 from expert_stream.plugin.endpoint_guard import refusal
+from expert_stream.plugin.hosts import operator_view
 from expert_stream.plugin.hosts.mlx_lm import compat
 from expert_stream.plugin.redact import redact_errors
 
@@ -20,9 +22,12 @@ def patch_handler(state) -> None:
     methods); everything else goes to the host's own methods."""
 
     def reply(handler, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+        send(handler, status, json.dumps(payload).encode(), {"Content-type": "application/json"})
+
+    def send(handler, status: int, body: bytes, headers: dict) -> None:
         handler.send_response(status)
-        handler.send_header("Content-type", "application/json")
+        for name, value in headers.items():
+            handler.send_header(name, value)
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.write(body)
@@ -31,7 +36,8 @@ def patch_handler(state) -> None:
     def refused(handler, path) -> bool:
         # client_address is the socket's peer; see endpoint_guard for the rest.
         headers = {k.lower(): v for k, v in handler.headers.items()}
-        why = refusal(handler.client_address[0], headers, state.bind_host)
+        allowed = state.config.options.metrics_allow if path == operator_view.METRICS_PATH else ()
+        why = refusal(handler.client_address[0], headers, state.bind_host, allowed)
         if why:
             reply(handler, 403, {"error": f"{path} {why}"})
         return bool(why)
@@ -44,6 +50,12 @@ def patch_handler(state) -> None:
         elif route == STATUS_PATH:
             if not refused(handler, STATUS_PATH):
                 reply(handler, 200, redact_errors(state.status()))
+        elif route == operator_view.METRICS_PATH:
+            if not refused(handler, route):
+                send(handler, 200, *operator_view.metrics(state.status()))
+        elif route in operator_view.PAGE_PATHS:
+            if not refused(handler, route):
+                send(handler, 200, *operator_view.page())
         else:
             return False
         return True
@@ -57,7 +69,8 @@ def patch_handler(state) -> None:
         return True
 
     def on_options(handler) -> bool:  # no CORS preflight answer for the control endpoints
-        if handler.path.split("?")[0] not in (STATUS_PATH, RELOAD_PATH):
+        if handler.path.split("?")[0] not in (STATUS_PATH, RELOAD_PATH, operator_view.METRICS_PATH,
+                                              *operator_view.PAGE_PATHS):
             return False
         reply(handler, 403, {"error": "the control endpoints do not answer web pages"})
         return True

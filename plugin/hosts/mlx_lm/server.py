@@ -18,7 +18,8 @@ requests, on the generation thread. Streamed models are served one request at a 
 provider's `is_batchable` is cleared for them).
 
 The rooms of this folder: compat (every host internal and its check), reloader (the applied
-config, the provider patch's callbacks, reloads), routes (the HTTP routes), and for
+config, the provider patch's callbacks, reloads, the operator's figures), routes (the HTTP routes),
+request_counts (requests queued and in flight), and for
 mlx_lm.server's pipeline mode pipeline_mode (one rank's load), pipeline_reload (reloads every
 rank agrees on) and rank_stats (every rank's counters on rank 0)."""
 
@@ -101,6 +102,7 @@ class MlxLmServerHost:
             pass
         if pipeline is None or pipeline.rank == 0:  # only rank 0 serves HTTP
             run_files.write(run_files.local_url(*_listen_address(argv)), config.path, self.name)
+            threading.Thread(target=state.sample, name="expert-stream-sample", daemon=True).start()
         log.info("expert-stream: serving %s through mlx_lm.server (mlx-lm %s)", config.path, internals.version)
         internals.server.main()
         return 0

@@ -3,8 +3,9 @@
 The parent replaces the host's `_handler_worker` with `child_worker`, so the spawn pickles this
 function by name and the child imports this small module. The entry's streaming settings travel
 in the `queue_config` dict the host already passes to its child (key `expert_stream`); the child
-takes them out, sets the load_model interception for its model folder, and runs the host's own
-worker unchanged. An entry without settings (dense, or not streamed) gets no interception."""
+takes them out, sets the load_model interception for its model folder, starts the writer of its
+live counters (live_counters.py), and runs the host's own worker unchanged. An entry without
+settings (dense, or not streamed) gets no interception."""
 
 from __future__ import annotations
 
@@ -19,14 +20,20 @@ def child_worker(model_cfg_dict, queue_config, *rest):
     if stream is None:
         return original(model_cfg_dict, queue_config, *rest)
     from expert_stream.plugin.hosts import interception
+    from expert_stream.plugin.hosts.openai import live_counters
 
     interception.install()
     interception.set_targets({stream["model_path"]: _target(stream)})
     compat.add_handler_methods(expert_stream_stats=_expert_stream_stats,
                                expert_stream_set_budget=_expert_stream_set_budget)
+    row = stream.get("counters")
+    if row is not None:
+        live_counters.start_writer(row, stream["model_id"])
     try:
         return original(model_cfg_dict, queue_config, *rest)
     finally:
+        if row is not None:
+            live_counters.write(row, stream["model_id"])  # the last figures, as the process stops
         interception.forget(stream["model_id"])
 
 

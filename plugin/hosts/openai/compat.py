@@ -173,6 +173,12 @@ def process_alive(proxy) -> bool:
     return process is not None and process.is_alive()
 
 
+def process_ended(proxy) -> bool:
+    """The proxy's process started and exited (not: not started yet)."""
+    process = getattr(proxy, "_process", None)
+    return process is not None and process.exitcode is not None
+
+
 def exit_code(proxy):
     return getattr(proxy._process, "exitcode", None)
 

@@ -15,11 +15,13 @@ import time
 
 from expert_stream.plugin.config import HostConfig, load_host_config
 from expert_stream.plugin.hosts.openai import compat
+from expert_stream.plugin.hosts.openai.live_counters import ProcessRows
 from expert_stream.plugin.hosts.openai.request_queue import WaitingHandler
 from expert_stream.plugin.hosts.openai.schema import apply_server_flags
 from expert_stream.plugin.hosts.openai.supervision import ProcessSupervisor
 from expert_stream.plugin.reload import FileWatcher, ModelState, ReloadRecord, plan_reload, refuse_reload, \
     unchanged_file
+from expert_stream.plugin.status_history import StatusHistory, add_figures
 
 log = logging.getLogger("expert_stream")
 
@@ -51,6 +53,9 @@ class Reloader:
         self.entries: dict = {}  # model_id -> the ModelEntry its process was started with
         self._holds: dict = {}  # model_id -> WaitingHandler routed while it is not there
         self.supervisor = ProcessSupervisor(self.record, self.take_dead, self.hold, self.restart)
+        self.rows = ProcessRows()  # each streamed model process's live counters
+        self.history = StatusHistory()
+        self._status_lock = asyncio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
     def trigger(self, reason: str = "signal") -> None:
@@ -90,6 +95,7 @@ class Reloader:
                 message = f"{path}: applying the config failed: {type(exc).__name__}: {exc}"
                 log.exception("expert-stream: reload (%s): %s", reason, message)
                 self.record.fail(message, new.text_hash)
+                self.record.reloads_refused += 1
                 plugins.get_plugin_manager().hook.config_reloaded(path=str(path), applied=[], error=message)
                 return {"ok": False, "error": message}
             return {"ok": True, "applied": applied, "last_reload": self.record.last_reload}
@@ -236,7 +242,8 @@ class Reloader:
             queue_config["expert_stream"] = {
                 "model_id": entry.model_id, "model_path": entry.model_path, "settings": entry.settings.to_dict(),
                 "budget": dataclasses.asdict(entry.budget) if entry.budget is not None else None,
-                "trust_remote_code": entry.host_entry.get("trust_remote_code") is True}
+                "trust_remote_code": entry.host_entry.get("trust_remote_code") is True,
+                "counters": self.rows.new_row(entry.model_id, proxy)}
         t0 = time.perf_counter()
         try:
             await proxy.start(queue_config)
@@ -291,16 +298,42 @@ class Reloader:
     # -- status -----------------------------------------------------------------------------
     async def status(self) -> dict:
         self.supervisor.notice_deaths()  # never report a dead process as ready
-        for model_id, proxy in list(self.proxies.items()):
-            model_state = self.record.models.get(model_id)
-            if not model_state or not model_state.streamed or model_state.state != "ready":
-                continue
+        async with self._status_lock:  # one stats call per process at a time
+            requests = {model_id: self._requests(model_id) for model_id in self.record.models}
+            for model_id, proxy in list(self.proxies.items()):
+                model_state = self.record.models.get(model_id)
+                if not model_state or not model_state.streamed or model_state.state != "ready":
+                    continue
+                if compat.pending_requests(proxy):
+                    continue  # it answers after its request: report the last stats (the live counters move)
+                try:
+                    stats = await asyncio.wait_for(compat.call(proxy, "expert_stream_stats"), STATS_TIMEOUT_S)
+                    model_state.stats = stats.get(model_id)
+                except Exception:
+                    pass  # busy generating: report the last stats it gave
+        counters, memory = self.rows.read()
+        out = self.record.as_dict()
+        for model_id, model in out["models"].items():
+            model["restarts_total"] = self.supervisor.restarted.get(model_id, 0)
+        return add_figures(out, self.history, counters, requests, memory)
+
+    def _requests(self, model_id: str) -> dict:
+        """A streamed model process answers one request at a time: the others it was sent wait
+        there, behind it; requests held while the model (re)loads wait too."""
+        proxy, held, entry = self.proxies.get(model_id), self._holds.get(model_id), self.entries.get(model_id)
+        pending = len(compat.pending_requests(proxy)) if proxy is not None else 0
+        running = min(pending, 1) if entry is not None and entry.streamed else pending
+        return {"in_flight": running, "queued": pending - running + (held.waiting if held else 0)}
+
+    async def sample(self) -> None:
+        """Every history interval, the counters of each served model (status_history)."""
+        while True:
             try:
-                stats = await asyncio.wait_for(compat.call(proxy, "expert_stream_stats"), STATS_TIMEOUT_S)
-                model_state.stats = stats.get(model_id)
-            except Exception:
-                pass  # busy generating: report the last stats it gave
-        return self.record.as_dict()
+                counters, _ = self.rows.read()
+                self.history.add({m: c for m, c in counters.items() if m in self.record.models})
+            except Exception:  # the sampler outlives its own failures
+                log.exception("expert-stream: sampling the counters failed")
+            await asyncio.sleep(self.history.interval_s)
 
 
 async def _drain(proxy, model_id: str, timeout: float) -> int:

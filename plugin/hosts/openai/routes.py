@@ -1,7 +1,8 @@
 """What the plugin adds to mlx-openai-server's app: a lifespan that starts the models through
 the Reloader (so the first load and every hot reload take one path), the supervisor, the file
-watcher and SIGHUP, and the control routes GET /expert-stream/status and POST
-/expert-stream/reload (both answer loopback clients only: ControlGuard)."""
+watcher, SIGHUP and the counters' sampler, and the control routes GET /expert-stream/status, POST
+/expert-stream/reload, GET /expert-stream/metrics and the status page GET /expert-stream/ (all
+answer loopback clients only, ControlGuard; the metrics also the addresses of metrics_allow)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 from contextlib import asynccontextmanager
 
 from expert_stream.plugin.endpoint_guard import ControlGuard
+from expert_stream.plugin.hosts import operator_view
 from expert_stream.plugin.hosts.openai import compat
 from expert_stream.plugin.hosts.openai.reloader import Reloader
 from expert_stream.plugin.redact import redact_errors
@@ -42,7 +44,7 @@ def _lifespan(state):
             raise
         compat.publish_registry(app, registry, state.config.entries[0].model_id)
         _add_routes(app, reloader)
-        tasks = [asyncio.create_task(reloader.supervisor.run())]
+        tasks = [asyncio.create_task(reloader.supervisor.run()), asyncio.create_task(reloader.sample())]
         if state.config.options.watch:
             tasks.append(asyncio.create_task(reloader.watch()))
         loop = asyncio.get_running_loop()
@@ -62,7 +64,7 @@ def _lifespan(state):
 def _add_routes(app, reloader: Reloader) -> None:
     # Plain Starlette routes (the handler gets the request): FastAPI's parameter inference is not
     # needed, and would misread the postponed annotations of this module.
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
 
     # Who may call them is ControlGuard's check, outside the host's CORS middleware.
     async def status(request):
@@ -75,8 +77,24 @@ def _add_routes(app, reloader: Reloader) -> None:
         result = await reloader.reload("endpoint")
         return JSONResponse(redact_errors(result), status_code=200 if result["ok"] else 422)
 
+    async def metrics(request):
+        body, headers = operator_view.metrics(await reloader.status())
+        return Response(body, headers=headers)
+
+    async def page(request):
+        body, headers = operator_view.page()
+        return Response(body, headers=headers)
+
     app.add_route(STATUS_PATH, status, methods=["GET"])
     app.add_route(RELOAD_PATH, reload, methods=["POST"])
+    app.add_route(operator_view.METRICS_PATH, metrics, methods=["GET"])
+    for path in operator_view.PAGE_PATHS:
+        app.add_route(path, page, methods=["GET"])
+
+    def allowed(path):  # read at each request: a reload may change metrics_allow
+        return reloader.state.config.options.metrics_allow if path == operator_view.METRICS_PATH else ()
+
     bind_host = (reloader.state.config.top_level.get("server") or {}).get("host")
     app.middleware_stack = ControlGuard(app.middleware_stack or app.build_middleware_stack(),
-                                        (STATUS_PATH, RELOAD_PATH), bind_host)
+                                        (STATUS_PATH, RELOAD_PATH, operator_view.METRICS_PATH,
+                                         *operator_view.PAGE_PATHS), bind_host, allowed)

@@ -38,6 +38,7 @@ class ProcessSupervisor:
         self.hold = hold
         self.restart = restart
         self.deaths: dict[str, list[float]] = {}  # model_id -> times its process died
+        self.restarted: dict[str, int] = {}  # model_id -> times its process was started again (ever)
         self._restarting: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
@@ -92,6 +93,7 @@ class ProcessSupervisor:
             if started is None:
                 return  # removed or reloaded meanwhile
             if started:
+                self.restarted[model_id] = self.restarted.get(model_id, 0) + 1
                 log.info("expert-stream: %s: model process restarted", model_id)
                 return
             state = self.record.models.get(model_id)
