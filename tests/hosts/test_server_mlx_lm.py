@@ -223,8 +223,12 @@ def test_status_page_in_a_real_browser(server, tmp_path):
     """Issue 27: the status page, loaded in headless Chromium against the running server after a
     few requests, draws its plot and shows the status endpoint's numbers. The screenshot stays
     in the test's folder (and in $EXPERT_STREAM_ARTIFACTS when set)."""
-    host, _, moe, _ = server
+    host, path, moe, _ = server
     name = "renamed"
+    if name not in http_json(host.base + "/expert-stream/status")[1]["models"]:  # run alone (-m slow)
+        path.write_text(models_yaml(moe, [(name, 0.0001)], metrics_allow=()))
+        assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 200
+    chat_text(host.base, name, PROMPT, 4)  # loaded, so the history samples hold it
 
     def samples():  # the history's samples that hold the model
         history = http_json(host.base + "/expert-stream/status")[1]["history"]
