@@ -30,6 +30,7 @@ def register(sub) -> None:
     budget.add_argument("--budget-gib", default=None, help="the budget in GiB, or auto (the default: auto)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=96)
+    p.add_argument("--warmup-steps", type=int, default=8, help="bench --warmup-steps")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the variants, alternating (bench --rounds)")
     p.add_argument("--disk-gb", type=float, default=0.05, help="GB read to measure the disk first")
     p.add_argument("--stock", choices=("auto", "yes", "no"), default="yes",
@@ -43,6 +44,7 @@ def register(sub) -> None:
 def bench_argv(args, ck: Path, budget: str, cap: float | None) -> list[str]:
     argv = [*CLI, "bench", str(ck), "--budget-gib", budget, "--prompt-tokens", str(args.prompt_tokens),
             "--gen-tokens", str(args.gen_tokens), "--rounds", str(args.rounds), "--disk-gb", str(args.disk_gb),
+            "--warmup-steps", str(args.warmup_steps),
             "--stock", args.stock, "--json"]
     for c in args.corpus:
         argv += ["--corpus", str(Path(c).resolve())]
