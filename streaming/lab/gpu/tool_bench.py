@@ -102,7 +102,12 @@ def row(r: dict) -> list:
         result = "ok"
     mb = r.get("bytes_per_token")
     slots = r.get("slots_per_layer")
-    slots = f"{min(slots)}-{max(slots)}" if slots and min(slots) != max(slots) else (slots[0] if slots else r["slots_target"])
+    if slots == [] and r.get("slot_gib"):
+        slots = "all"  # every layer holds every expert: none streams
+    elif slots:
+        slots = f"{min(slots)}-{max(slots)}" if min(slots) != max(slots) else slots[0]
+    else:
+        slots = r["slots_target"]
     budget = r["budget_gib"] if isinstance(r["budget_gib"], str) else f"{r['budget_gib']:g}"
     return [r["run"], r["variant"], budget, r.get("slot_gib"), slots, r["cap_gib"] or "none",
             r.get("decode_tok_s"), r.get("stock_tok_s"), r.get("ratio_to_stock"), r.get("misses_per_token"),
