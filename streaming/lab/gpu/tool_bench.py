@@ -5,10 +5,12 @@ a cgroup v2 memory cap where this machine allows one, stock side by side at "ful
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-from tool_common import CLI, add_checkpoint_args, budget_for_share, cap_for, checkpoint, parse_pairs, run_logged, table, write_outputs
+from tool_common import (CLI, add_cap_args, add_checkpoint_args, budget_for_share, cap_for, checkpoint_here, parse_pairs,
+                         run_logged, table, write_outputs)
 
 
 def register(sub) -> None:
@@ -17,8 +19,9 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="output folder (bench.json, bench.txt, runs/)")
     add_checkpoint_args(p)
     p.add_argument("--runs", default="0.25,0.5,full",
-                   help="comma list: a share of each layer's experts in the budget (0.25), or 'full' (every "
-                   "expert, stock side by side)")
+                   help="comma list: a share of each layer's experts in the budget (0.25), 'full' (every "
+                   "expert, stock side by side), or 'auto' (budget_gib auto: the process sizes itself to its "
+                   "memory, under --cap-gib its cgroup cap)")
     p.add_argument("--stock", choices=("full", "yes", "no"), default="full",
                    help="run stock mlx-lm beside the streamed side: at 'full' runs only (default), every run, or never")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
@@ -26,9 +29,7 @@ def register(sub) -> None:
                    "lower-case keys are streaming settings (--set), UPPER-CASE ones environment variables "
                    "of the bench process (MLX reads its CUDA settings once per process), e.g. "
                    "cuda:slot_write=cuda or nographs:MLX_USE_CUDA_GRAPHS=0")
-    p.add_argument("--cap-extra", default="4", metavar="GIB|none",
-                   help="memory cap of the streamed side = budget + this many GiB (default 4); applied where "
-                   "cgroup v2 can cap (Linux, root), else the run is uncapped and its row says why")
+    add_cap_args(p, "the streamed side")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--disk-gb", type=float, default=1.0, help="GB the bench reads to measure the disk first")
@@ -49,9 +50,12 @@ def variants(specs: list[str]) -> list[tuple[str, dict, dict]]:
 
 def one_run(args, ck: Path, run: str, variant: tuple[str, dict, dict]) -> dict:
     name, settings, env = variant
-    share = 1.0 if run == "full" else float(run)
-    budget, slots = budget_for_share(ck, share)
-    cap, cap_note = cap_for(budget, args.cap_extra)
+    if run == "auto":
+        share, budget, slots = None, "auto", None
+    else:
+        share = 1.0 if run == "full" else float(run)
+        budget, slots = budget_for_share(ck, share)
+    cap, cap_note = cap_for(budget if run != "auto" else None, args)
     stock = "yes" if args.stock == "yes" or (args.stock == "full" and run == "full") else "no"
     argv = [*CLI, "bench", str(ck), "--budget-gib", str(budget), "--stock", stock,
             "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
@@ -72,16 +76,19 @@ def one_run(args, ck: Path, run: str, variant: tuple[str, dict, dict]) -> dict:
     except json.JSONDecodeError:
         tail = (args.out / "runs" / f"{tag}.log").read_text().strip().splitlines()[-3:]
         report = {"error": f"no report (rc {rc}): " + " | ".join(tail)}
+    # An auto budget's size is what the engine resolved in the child (the slots' bytes).
+    slot_gb = report.get("slot_gb")
     report.update(run=run, variant=name, variant_settings=settings, variant_env=env, share=share,
-                  slots_target=slots, budget_gib=budget, cap_gib=cap, cap=cap_note, rc=rc,
+                  slots_target=slots, budget_gib=budget, slot_gib=slot_gb * 1e9 / 2**30 if slot_gb else None,
+                  cap_gib=cap, cap=cap_note, rc=rc,
                   wall_s=round(time.perf_counter() - t0, 1))
     (args.out / "runs" / f"{tag}.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
-HEADER = ["run", "variant", "budget GiB", "slots", "cap", "decode tok/s", "stock tok/s", "to stock",
+HEADER = ["run", "variant", "budget GiB", "slot GiB", "slots", "cap GiB", "decode tok/s", "stock tok/s", "to stock",
           "miss/tok", "MB/tok", "read GB/s", "disk GB/s", "to bound", "to bound (reader)", "reads hidden",
-          "sim lru", "sim belady", "cap peak GB", "result"]
+          "sim lru", "sim belady", "peak GiB", "result"]
 
 
 def row(r: dict) -> list:
@@ -94,24 +101,47 @@ def row(r: dict) -> list:
     else:
         result = "ok"
     mb = r.get("bytes_per_token")
-    return [r["run"], r["variant"], f"{r['budget_gib']:g}", r["slots_target"], r["cap_gib"] or "none",
+    slots = r.get("slots_per_layer")
+    if slots == [] and r.get("slot_gib"):
+        slots = "all"  # every layer holds every expert: none streams
+    elif slots:
+        slots = f"{min(slots)}-{max(slots)}" if min(slots) != max(slots) else slots[0]
+    else:
+        slots = r["slots_target"]
+    budget = r["budget_gib"] if isinstance(r["budget_gib"], str) else f"{r['budget_gib']:g}"
+    return [r["run"], r["variant"], budget, r.get("slot_gib"), slots, r["cap_gib"] or "none",
             r.get("decode_tok_s"), r.get("stock_tok_s"), r.get("ratio_to_stock"), r.get("misses_per_token"),
             mb / 1e6 if mb is not None else None, r.get("read_gbps_run"), r.get("disk_gbps"),
             r.get("ratio_to_bound"), r.get("ratio_to_bound_run"), r.get("reads_hidden_share"),
-            sim.get("lru"), sim.get("belady"), cap.get("peak_gb"), result]
+            sim.get("lru"), sim.get("belady"), cap["peak_gb"] * 1e9 / 2**30 if cap.get("peak_gb") else None, result]
+
+
+def parse_runs(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    for r in runs:
+        try:
+            ok = r in ("auto", "full") or 0 < float(r) <= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            sys.exit(f"--runs: {r!r} is not a share in (0, 1], 'full' or 'auto'")
+    return runs
 
 
 def main(args) -> int:
-    ck = checkpoint(args, args.out)
+    runs, vs = parse_runs(args.runs), variants(args.variant)
+    ck = checkpoint_here(args, args.out)
     reports = []
-    for run in [r.strip() for r in args.runs.split(",") if r.strip()]:
-        for v in variants(args.variant):
+    for run in runs:
+        for v in vs:
             reports.append(one_run(args, ck, run, v))
             print(f"bench {run} {v[0]}: rc {reports[-1]['rc']}, {reports[-1]['wall_s']} s", flush=True)
-    notes = sorted({r["cap"] for r in reports})
-    text = (f"checkpoint {ck}; trace {args.trace or 'none (own routing)'}; "
-            f"{args.prompt_tokens} prompt + {args.gen_tokens} generated tokens\n"
-            + "".join(f"cap: {n}\n" for n in notes) + table(HEADER, [row(r) for r in reports]))
-    write_outputs(args.out, "bench", {"checkpoint": str(ck), "trace": str(args.trace) if args.trace else None,
-                                      "runs": reports}, text)
+            # Written after every run: a call cut short still leaves the runs done.
+            notes = sorted({r["cap"] for r in reports})
+            text = (f"checkpoint {ck}; trace {args.trace or 'none (own routing)'}; "
+                    f"{args.prompt_tokens} prompt + {args.gen_tokens} generated tokens\n"
+                    + "".join(f"cap: {n}\n" for n in notes) + table(HEADER, [row(r) for r in reports]))
+            write_outputs(args.out, "bench", {"checkpoint": str(ck), "trace": str(args.trace) if args.trace else None,
+                                              "runs": reports}, text, echo=False)
+    print(text, end="")
     return 0 if all(r["rc"] == 0 for r in reports) else 1

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import tool_bench
-from tool_common import add_checkpoint_args, budget_for_share, cap_for, checkpoint, table, write_outputs
+from tool_common import add_cap_args, add_checkpoint_args, budget_for_share, cap_for, checkpoint_here, table, write_outputs
 
 HERE = Path(__file__).resolve().parent
 PEERS = ("expert-stream", "bigrig", "boyle", "mlxlm")
@@ -26,9 +26,7 @@ def register(sub) -> None:
     p.add_argument("--share", default="0.25",
                    help="share of each layer's experts the budget pays for, or 'full' (default 0.25)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from {','.join(PEERS)}")
-    p.add_argument("--cap-extra", default="4", metavar="GIB|none",
-                   help="memory cap of every contestant but mlxlm = budget + this many GiB, where cgroup v2 "
-                   "can cap (default 4)")
+    add_cap_args(p, "every contestant but mlxlm")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--disk-gb", type=float, default=1.0, help="expert-stream bench --disk-gb (its row only)")
@@ -90,14 +88,15 @@ def run_peer(args, ck: Path, budget: float, slots: int, peer: str) -> dict:
     cfg = _child_config(args, ck, slots, peer, out)
     Path(cfg["result_path"]).unlink(missing_ok=True)
     # mlxlm is the everything-resident reference: uncapped, as in expert-stream bench.
-    cap, cap_note = cap_for(budget, "none" if peer == "mlxlm" else args.cap_extra)
+    cap, cap_note = (None, "no cap (the everything-resident reference)") if peer == "mlxlm" else cap_for(budget, args)
     # `timeout` answers 124 when the time is up, which a kill under the cap (137) cannot be.
     argv = ["timeout", "-k", "10", str(args.timeout), sys.executable, str(HERE / "peer_child.py"), json.dumps(cfg)]
     t0 = time.perf_counter()
-    killed = False
+    killed, peak = False, None
     if cap is not None:
         done = run_capped(argv, int(cap * GIB), name="gpu-tool-peer")
         rc, killed = done.returncode, done.killed
+        peak = done.peak_bytes / GIB if done.peak_bytes is not None else None
     else:
         rc = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
     try:
@@ -106,7 +105,8 @@ def run_peer(args, ck: Path, budget: float, slots: int, peer: str) -> dict:
         why = ("timed out after %ss" % args.timeout if rc == 124 else
                f"killed under the {cap} GiB cap" if killed else f"process died (rc {rc})")
         r = {"peer": peer, "ok": False, "error": why, "notes": []}
-    r.update(budget_gib=budget, slots=slots, cap_gib=cap, cap=cap_note, rc=rc, wall_s=round(time.perf_counter() - t0, 1))
+    r.update(budget_gib=budget, slots=slots, cap_gib=cap, cap=cap_note, cap_peak_gib=peak, rc=rc,
+             wall_s=round(time.perf_counter() - t0, 1))
     return r
 
 
@@ -119,6 +119,7 @@ def ours(args, ck: Path, run: str) -> dict:
             "run": {k: b.get(k) for k in ("decode_tok_s", "prefill_tok_s")} if ok else None,
             "stats_decode": {"misses_per_token": b.get("misses_per_token")}, "peak_rss_gb": b.get("peak_rss_gb"),
             "notes": [], "budget_gib": b["budget_gib"], "slots": b["slots_target"], "cap_gib": b["cap_gib"],
+            "cap_peak_gib": (b.get("memory_cap") or {}).get("peak_gb") and b["memory_cap"]["peak_gb"] * 1e9 / 2**30,
             "cap": b["cap"], "rc": b["rc"], "wall_s": b["wall_s"], "bench_report": b}
 
 
@@ -127,12 +128,14 @@ def main(args) -> int:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         sys.exit(f"--peers: unknown {unknown}; choose from {', '.join(PEERS)}")
-    ck = checkpoint(args, args.out)
+    ck = checkpoint_here(args, args.out)
     budget, slots = budget_for_share(ck, 1.0 if args.share == "full" else float(args.share))
     rows = []
     for peer in peers:
         rows.append(ours(args, ck, args.share) if peer == "expert-stream" else run_peer(args, ck, budget, slots, peer))
         print(f"peers {peer}: {'ok' if rows[-1]['ok'] else rows[-1]['error']}, {rows[-1]['wall_s']} s", flush=True)
+        write_outputs(args.out, "peers", {"checkpoint": str(ck), "budget_gib": budget, "slots_per_layer": slots,
+                                          "rows": rows, "partial": True}, "", echo=False)
     ref = next((r for r in rows if r["peer"] == "mlxlm" and r["ok"]), None)
     for r in rows:
         if ref is not None and r.get("tokens") is not None and r["peer"] != "mlxlm":
@@ -140,10 +143,11 @@ def main(args) -> int:
         r.pop("tokens", None)
     text = (f"checkpoint {ck}; budget {budget} GiB = {slots} slots per layer; trace {args.trace or 'none'}; "
             f"{args.prompt_tokens} prompt + {args.gen_tokens} generated tokens\n"
-            + table(["peer", "decode tok/s", "prefill tok/s", "miss/tok", "peak RSS GB", "cap", "routing", "result"],
+            + table(["peer", "decode tok/s", "prefill tok/s", "miss/tok", "peak RSS GB", "cap GiB", "group peak GiB",
+                     "routing", "result"],
                     [[r["peer"], (r.get("run") or {}).get("decode_tok_s"), (r.get("run") or {}).get("prefill_tok_s"),
                       (r.get("stats_decode") or {}).get("misses_per_token"), r.get("peak_rss_gb"),
-                      r["cap_gib"] or "none", r.get("routing", "-"), "ok" if r["ok"] else r["error"][:140]]
+                      r["cap_gib"] or "none", r.get("cap_peak_gib"), r.get("routing", "-"), "ok" if r["ok"] else r["error"][:140]]
                      for r in rows])
             + "".join(f"note ({r['peer']}): {n}\n" for r in rows for n in r.get("notes") or []))
     write_outputs(args.out, "peers", {"checkpoint": str(ck), "budget_gib": budget, "slots_per_layer": slots,
