@@ -29,10 +29,11 @@ log = logging.getLogger("expert_stream")
 class PendingReads:
     """Reads of `experts` into `slots` of `target`, running on the reader's threads."""
 
-    __slots__ = ("target", "experts", "slots", "staged", "future")
+    __slots__ = ("target", "experts", "slots", "staged", "future", "from_disk")
 
-    def __init__(self, target: ExpertSlots, experts, slots, staged, future):
+    def __init__(self, target: ExpertSlots, experts, slots, staged, future, from_disk: int):
         self.target, self.experts, self.slots, self.staged, self.future = target, experts, slots, staged, future
+        self.from_disk = from_disk  # experts read from the shards (the rest were copied from the side buffer)
 
 
 class ExpertStore:
@@ -63,9 +64,10 @@ class ExpertStore:
         self.pending = []
 
     def settle(self) -> None:
-        """Evaluate pending outputs of this layer: after this no graph reads its slots."""
+        """Evaluate pending outputs of this layer: after this no graph reads its slots. Not
+        counted as a sync: in decode the host has waited for them already (the last token)."""
         if self.pending:
-            self.sync(self.pending)
+            mx.eval(self.pending)
             self.pending = []
 
     def sync(self, arrays) -> None:
@@ -148,7 +150,7 @@ class ExpertStore:
         except BaseException:
             target.release(staged)
             raise
-        reads = PendingReads(target, experts, slots, staged, future)
+        reads = PendingReads(target, experts, slots, staged, future, int(len(experts) - copied.sum()))
         self.in_flight.append(reads)
         return reads
 
@@ -174,9 +176,9 @@ class ExpertStore:
                 stats.read_seconds += time.perf_counter() - t0
                 stats.bytes_read += result.bytes
                 if landed:
-                    stats.reads_landed += len(reads.experts)
+                    stats.reads_landed += reads.from_disk
                 else:
-                    stats.reads_waited += len(reads.experts)
+                    stats.reads_waited += reads.from_disk
                 if reads.target.write_mode != "direct" and pending:
                     self.sync(list(pending))  # a slice update on an array a pending graph reads would copy it
                 reads.target.commit(reads.slots, reads.staged)

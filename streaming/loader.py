@@ -298,7 +298,8 @@ def _link_lookahead(model, layers, spec, top_k, settings) -> None:
     pool = GuessPool(settings.prefetch_per_layer * settings.prefetch_depth) if settings.prefetch_into == "buffer" else None
     for i, current in enumerate(layers):
         for depth, later in enumerate(layers[i + 1:i + 1 + settings.prefetch_depth], start=1):
-            probe = make_probe(model, current.store.name, later.store.name, top_k or 1, router_hook)
+            guesses = settings.prefetch_guesses or top_k or 1
+            probe = make_probe(model, current.store.name, later.store.name, guesses, router_hook)
             if probe is None:
                 continue
             later.store.guess_pool = pool

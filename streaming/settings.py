@@ -37,6 +37,9 @@ class StreamSettings:
     prefetch_into: str = "buffer"
     # How many streamed layers ahead each layer guesses (1: the next one).
     prefetch_depth: int = 1
+    # How many of the probe's most likely experts make a guess (None: the model's top-k);
+    # fewer reads fewer wrong guesses and covers fewer misses.
+    prefetch_guesses: Optional[int] = None
     # Leave MoE layers whose experts all fit in their share of the budget as stock layers (their
     # experts load with the trunk and run at stock's speed); false streams them through slots.
     resident: bool = True
@@ -170,7 +173,7 @@ MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops b
 # Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
            "context_length": (1, 1 << 24),
-           "prefetch_per_layer": (0, 4096), "prefetch_depth": (1, 64), "prefill_step": (1, 1 << 20),
+           "prefetch_per_layer": (0, 4096), "prefetch_depth": (1, 64), "prefetch_guesses": (1, 4096), "prefill_step": (1, 1 << 20),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
 
