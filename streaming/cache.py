@@ -52,6 +52,7 @@ class LayerStats:
     guess_hits: int = 0  # of those, experts the layer then used
     far_guesses: int = 0  # experts guessed for this layer from two or more layers before
     far_guess_hits: int = 0  # of those, experts the layer then used
+    demand_calls: int = 0  # routed calls that read an expert from the shards (not the side buffer)
     syncs: int = 0  # times the compute thread waited for the device (routing readback, settles)
     sync_seconds: float = 0.0  # wall time of those waits
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots

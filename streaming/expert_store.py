@@ -48,6 +48,7 @@ class ExpertStore:
         self.last_guesses: list[tuple[int, np.ndarray]] = []  # (depth, guess) of earlier layers, to score
         self.guess_pool: GuessPool | None = None  # side buffers for guesses (None: guesses go into slots)
         self.guessed: Guessed | None = None  # this layer's guessed experts in a side buffer
+        self._read_on_demand = False  # the current call read from the shards
         self.recorder = None  # TraceRecorder while the handle records routing
         self.position = 0  # index among the model's streamed layers (for the recorder)
         self._table: mx.array | None = None
@@ -145,6 +146,7 @@ class ExpertStore:
             if not done
             for t, d in zip(self.slots.tensors, ds)
         ]
+        self._read_on_demand = self._read_on_demand or bool(requests)
         try:
             future = self.reader.submit(requests) if requests else COPIED
         except BaseException:
@@ -261,9 +263,12 @@ class ExpertStore:
         except Exception as exc:  # the demand read of the same bytes will report it properly
             log.debug("%s: prefetch read failed: %s", self.name, exc)
 
-    def drop_guesses(self) -> None:
-        """After this layer's call: the side buffer's guesses are spent (a wrong one cost its
-        bytes and nothing else); the buffer goes back to the pool."""
+    def end_call(self) -> None:
+        """After this layer's routed call: counted if it read on demand; the side buffer's
+        guesses are spent (a wrong one cost its bytes and nothing else), the buffer goes back."""
+        if self._read_on_demand:
+            self.cache.stats.demand_calls += 1
+            self._read_on_demand = False
         guessed, self.guessed = self.guessed, None
         if guessed is not None:
             guessed.close()

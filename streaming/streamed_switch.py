@@ -75,7 +75,7 @@ class StreamedSwitch(nn.Module):
             store.reap()  # a failed call leaves no read behind that could still write a slot
             raise
         finally:
-            store.drop_guesses()  # the side buffer's bytes were copied where the call needed them
+            store.end_call()  # the side buffer's bytes were copied where the call needed them
         store.pin([y])
         return y
 

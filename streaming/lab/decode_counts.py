@@ -15,7 +15,7 @@ from __future__ import annotations
 
 COUNTS = ("hits", "misses", "bytes_read", "read_seconds", "guesses", "guess_hits", "prefetch_reads",
           "prefetch_hits", "reads_landed", "reads_waited", "skipped_misses", "bypassed", "guess_buffer_hits",
-          "far_guesses", "far_guess_hits", "syncs", "sync_seconds")
+          "far_guesses", "far_guess_hits", "syncs", "sync_seconds", "demand_calls")
 
 
 def per_layer_deltas(before: dict, after: dict) -> dict[str, dict]:
@@ -67,6 +67,9 @@ def read_figures(per_layer: dict[str, dict], tokens: int) -> dict:
         "waited": t["reads_waited"],
         "hidden_share": _share(t["reads_landed"], read),
         "syncs_per_token": t["syncs"] / tokens,
+        # layers a token reads from the shards on demand: what a whole-token graph on predicted
+        # routing would have to redo from (each at least one more sync)
+        "demand_layers_per_token": t["demand_calls"] / tokens,
         "sync_per_token_s": t["sync_seconds"] / tokens,
         "read_wait_per_token_s": t["read_seconds"] / tokens,
     }

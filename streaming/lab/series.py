@@ -105,6 +105,7 @@ FIGURES = {
     "demand_misses_per_token": ("lookahead", "demand_misses_per_token"),
     "far_guess_hit_rate": ("lookahead", "far_guess_hit_rate"),
     "syncs_per_token": ("reads", "syncs_per_token"),
+    "demand_layers_per_token": ("reads", "demand_layers_per_token"),
     "sync_per_token_s": ("reads", "sync_per_token_s"),
     "read_wait_per_token_s": ("reads", "read_wait_per_token_s"),
     "experts_read_per_token": ("reads", "experts_read_per_token"),

@@ -77,6 +77,7 @@ def print_series(s: dict) -> None:
     add("  hidden (in before asked)", lambda m, r: _num(m["hidden_share"] and 100 * m["hidden_share"], ".1f")
         + ("%" if m["hidden_share"] is not None else ""))
     add("syncs/token", lambda m, r: _num(m["syncs_per_token"], ".1f"))
+    add("  layers reading on demand/token", lambda m, r: _num(m["demand_layers_per_token"], ".1f"))
     add("  ms in syncs / read waits", lambda m, r: _num(m["sync_per_token_s"] and 1e3 * m["sync_per_token_s"], ".1f")
         + " / " + _num(m["read_wait_per_token_s"] and 1e3 * m["read_wait_per_token_s"], ".1f"))
     sim = "replay_" if replay else ""
