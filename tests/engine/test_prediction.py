@@ -56,10 +56,13 @@ def _inject(handle, guess):
     {"prefetch_into": "buffer", "prefetch_depth": 2},
     {"prefetch_into": "slots", "prefetch_depth": 2},
     {"prefetch_into": "buffer", "prefetch_depth": 3, "prefetch_per_layer": 8, "slot_write": "staged"},
+    {"prefetch_into": "buffer", "prefetch_guesses": 2},
 ])
 def test_prediction_modes_are_exact(model_path, settings):
     stock, streamed, handle = load_pair(model_path, slots=6, prefetch=True, **settings)
     depth = settings.get("prefetch_depth", 1)
+    assert {look.probe.count for layer in handle.layers for look in layer.lookaheads} == {
+        settings.get("prefetch_guesses", TOP_K)}
     assert [len(layer.lookaheads) for layer in handle.layers] == [min(depth, LAYERS - 1 - i) for i in range(LAYERS)]
     assert_same_logits(stock, streamed, prompt_ids(16), decode_steps=12)
     totals = handle.stats()["totals"]
@@ -153,10 +156,10 @@ def test_right_guesses_are_served_from_the_buffer(model_path, monkeypatch):
         token = mx.argmax(a[:, -1:], axis=-1)
     layers = handle.stats()["layers"]
     first, *guessed = [layers[s.name] for s in handle.streams]
-    assert first["guess_buffer_hits"] == 0 and first["misses"] > 0
+    assert first["guess_buffer_hits"] == 0 and first["misses"] > 0 and first["demand_calls"] > 0
     assert sum(g["misses"] for g in guessed) > 0
     for g in guessed:
-        assert g["guess_buffer_hits"] == g["misses"]
+        assert g["guess_buffer_hits"] == g["misses"] and g["demand_calls"] == 0
     handle.close()
 
 
