@@ -78,8 +78,7 @@ def print_series(s: dict) -> None:
         + ("%" if m["hidden_share"] is not None else ""))
     add("syncs/token", lambda m, r: _num(m["syncs_per_token"], ".1f"))
     add("  layers reading on demand/token", lambda m, r: _num(m["demand_layers_per_token"], ".1f"))
-    add("  ms in syncs / read waits", lambda m, r: _num(m["sync_per_token_s"] and 1e3 * m["sync_per_token_s"], ".1f")
-        + " / " + _num(m["read_wait_per_token_s"] and 1e3 * m["read_wait_per_token_s"], ".1f"))
+    add("  ms/token: syncs / read waits / rest", _time_split)
     sim = "replay_" if replay else ""
     add("LRU misses/token (sim)", lambda m, r: _num(m[f"{sim}lru_misses_per_token"], ".1f"))
     add("Belady misses/token (sim)", lambda m, r: _num(m[f"{sim}belady_misses_per_token"], ".1f"))
@@ -96,6 +95,15 @@ def print_series(s: dict) -> None:
         if v["summary"]["killed_rounds"]:
             print(f"{v['name']}: {v['summary']['killed_rounds']} round(s) killed under the memory cap")
     print()
+
+
+def _time_split(m: dict, r: dict) -> str:
+    """A decode token's wall time: waiting for the device (syncs, the compute queued before
+    them included), waiting for reads, and the rest (host work between them)."""
+    sync, wait, rate = m["sync_per_token_s"], m["read_wait_per_token_s"], m["decode_tok_s"]
+    if sync is None or wait is None or not rate:
+        return "-"
+    return f"{1e3 * sync:.1f} / {1e3 * wait:.1f} / {1e3 * (1 / rate - sync - wait):.1f}"
 
 
 def _exact_cell(m: dict) -> str:
