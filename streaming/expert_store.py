@@ -240,14 +240,18 @@ class ExpertStore:
         self.prefetching = self.start_reads(wanted, protected=guessed, prefetched=True)
 
     def _prefetch_to_buffer(self, guessed: np.ndarray, cap: int) -> None:
-        wanted = guessed[~self.cache.resident(guessed)][:cap]
+        """The first `cap` guessed experts that are neither resident nor already guessed by a
+        layer further back (prefetch_depth > 1) are read into this layer's side buffer."""
+        wanted = guessed[~self.cache.resident(guessed)]
         if self.guessed is not None:
-            wanted = self.guessed.wanted(wanted)[: self.guessed.room]
-        if wanted.size == 0:
+            wanted = self.guessed.wanted(wanted)
+        if wanted.size == 0 or cap == 0:
             return
         if self.guessed is None:
             self.guessed = Guessed(self.guess_pool, self.slots.tensors, self.cache.num_experts)
-            wanted = wanted[: self.guessed.room]
+        wanted = wanted[: min(cap, self.guessed.room)]
+        if wanted.size == 0:
+            return
         self.guessed.start(self.reader, wanted)
         self.cache.stats.prefetch_reads += int(wanted.size)
 
