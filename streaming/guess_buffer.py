@@ -15,6 +15,7 @@ claim stay as they are.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -122,11 +123,14 @@ class Guessed:
         reads, self.reads = self.reads, []
         for experts, rows, future in reads:
             landed = future.done()
+            t0 = time.perf_counter()
             try:
                 result = future.result()
             except Exception as exc:
                 log.debug("guessed experts %s: read failed: %s", experts.tolist(), exc)
                 continue
+            finally:
+                stats.read_seconds += time.perf_counter() - t0
             stats.bytes_read += result.bytes
             if landed:
                 stats.reads_landed += len(experts)
