@@ -163,6 +163,36 @@ def test_right_guesses_are_served_from_the_buffer(model_path, monkeypatch):
     handle.close()
 
 
+def test_failed_guess_reads_fall_back_to_demand_reads(model_path, monkeypatch):
+    """A guessed read that fails serves nothing: the layer reads those experts on demand and
+    the logits stay stock's."""
+    from expert_stream.streaming import guess_buffer
+    from expert_stream.streaming.errors import ReadError
+
+    class Failed:
+        def done(self):
+            return True
+
+        def result(self, timeout=None):
+            raise ReadError("injected: guessed read failed")
+
+    real_start = guess_buffer.Guessed.start
+
+    def failing_start(self, reader, experts):
+        real_start(self, reader, experts)
+        got, rows, future = self.reads[-1]
+        future.result()  # the real read is over: no thread writes the rows after this
+        self.reads[-1] = (got, rows, Failed())
+
+    monkeypatch.setattr(guess_buffer.Guessed, "start", failing_start)
+    stock, streamed, handle = load_pair(model_path, slots=6, prefetch=True)
+    assert_same_logits(stock, streamed, prompt_ids(8, seed=2), decode_steps=8)
+    totals = handle.stats()["totals"]
+    assert totals["prefetch_reads"] > 0 and totals["guess_buffer_hits"] == 0
+    assert totals["reads_landed"] + totals["reads_waited"] == totals["misses"]  # every miss read on demand
+    handle.close()
+
+
 def test_sync_counters(model_path):
     """Each routed call's readback is a counted sync; time is measured."""
     stock, streamed, handle = load_pair(model_path, slots=6, prefetch=True)
