@@ -47,8 +47,14 @@ class LayerStats:
     reads_waited: int = 0  # experts read whose bytes the compute thread had to wait for
     prefetch_reads: int = 0  # reads of guessed experts issued by the lookahead
     prefetch_hits: int = 0  # of those, experts a later call used before eviction
-    guesses: int = 0  # experts the lookahead guessed for this layer
+    guess_buffer_hits: int = 0  # of those, misses whose bytes came from the side buffer (no read then)
+    guesses: int = 0  # experts the lookahead guessed for this layer from the layer before
     guess_hits: int = 0  # of those, experts the layer then used
+    far_guesses: int = 0  # experts guessed for this layer from two or more layers before
+    far_guess_hits: int = 0  # of those, experts the layer then used
+    demand_calls: int = 0  # routed calls that read an expert from the shards (not the side buffer)
+    syncs: int = 0  # times the compute thread waited for the device (routing readback, settles)
+    sync_seconds: float = 0.0  # wall time of those waits
     sweep_calls: int = 0  # calls that needed more experts than the layer has slots
     overlap_calls: int = 0  # decode calls whose hits computed while their misses were read
     resident_calls: int = 0  # calls with every expert in a slot: no sync, hits not counted

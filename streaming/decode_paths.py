@@ -15,7 +15,7 @@ The prefill sweep (more experts than slots) is prefill_sweep.PrefillSweep.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -39,8 +39,8 @@ class RoutedCall:
     ids: np.ndarray  # routed expert ids, shaped like the call's indices
     needed: np.ndarray  # the distinct experts of the call
     sorts: bool  # whether stock sorts this call's pairs
-    guess: Optional[mx.array] = None  # the lookahead's guess for the next layer
-    lookahead: object = None  # lookahead.Lookahead that made the guess
+    # (lookahead.Lookahead, its guess) for each later layer guessed with this call
+    guesses: list = field(default_factory=list)
     kept: Optional[np.ndarray] = None  # LossySkip: positions of the token's experts to compute
 
     @property
@@ -48,25 +48,29 @@ class RoutedCall:
         return self.ids.size == self.ids.shape[-1]
 
     def issue_guess(self) -> None:
-        """Start the next layer's reads of the guess. Paths call it after their own reads
-        started, so that a guess is queued behind them and never delays a real miss."""
-        if self.guess is not None:
-            self.lookahead.issue(np.array(self.guess))
+        """Start the later layers' reads of the guesses, nearest layer first. Paths call it
+        after their own reads started, so that a guess is queued behind them and never delays
+        a real miss."""
+        for lookahead, guess in self.guesses:
+            lookahead.issue(np.array(guess))
 
 
-def route(store: ExpertStore, lookahead, x: mx.array, indices: mx.array) -> RoutedCall:
-    """The layer's one sync point: its routing (and the lookahead's guess for the next layer,
+def route(store: ExpertStore, lookaheads, x: mx.array, indices: mx.array) -> RoutedCall:
+    """The layer's one sync point: its routing (and the lookahead's guesses for later layers,
     evaluated with it) to the host."""
     store.await_prefetch()
-    look = lookahead if indices.size == indices.shape[-1] else None
-    guess = look.guess(x) if look is not None else None
-    if guess is not None:
-        mx.eval(indices, guess)
+    guesses = []
+    if indices.size == indices.shape[-1]:
+        for look in lookaheads:
+            guess = look.guess(x)
+            if guess is not None:
+                guesses.append((look, guess))
+    store.sync([indices] + [g for _, g in guesses])
     ids = np.array(indices)
     store.record(ids)
     needed = np.unique(ids)
     store.score_guess(needed)
-    return RoutedCall(ids, needed, stock_sorts(indices.size), guess, look)
+    return RoutedCall(ids, needed, stock_sorts(indices.size), guesses)
 
 
 class ResidentPath:
@@ -191,7 +195,7 @@ class LayerByLayer:
             pos = np.flatnonzero(in_scratch)
             y, p = compute.pairs(rows, pos, local[flat[pos]], k, False, compute.row_plan(k, buffer.num_slots, False),
                                  buffer)
-            mx.eval(y)  # the scratch buffer is free for the next layer once this ran
+            store.sync(y)  # the scratch buffer is free for the next layer once this ran
             ys, ps = ys + y, ps + p
         return unflatten_pairs(stitch(ys, ps, axis=0), ids.shape)
 

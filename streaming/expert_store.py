@@ -19,6 +19,7 @@ import numpy as np
 
 from .cache import ExpertCache
 from .errors import ReadError
+from .guess_buffer import COPIED, Guessed, GuessPool
 from .reader import ExpertReader, ReadRequest
 from .slots import ExpertSlots
 
@@ -28,10 +29,11 @@ log = logging.getLogger("expert_stream")
 class PendingReads:
     """Reads of `experts` into `slots` of `target`, running on the reader's threads."""
 
-    __slots__ = ("target", "experts", "slots", "staged", "future")
+    __slots__ = ("target", "experts", "slots", "staged", "future", "from_disk")
 
-    def __init__(self, target: ExpertSlots, experts, slots, staged, future):
+    def __init__(self, target: ExpertSlots, experts, slots, staged, future, from_disk: int):
         self.target, self.experts, self.slots, self.staged, self.future = target, experts, slots, staged, future
+        self.from_disk = from_disk  # experts read from the shards (the rest were copied from the side buffer)
 
 
 class ExpertStore:
@@ -43,7 +45,10 @@ class ExpertStore:
         self.pending: list[mx.array] = []  # outputs not known to be evaluated; they pin slots
         self.prefetching: PendingReads | None = None  # the previous layer's lookahead reads
         self.in_flight: list[PendingReads] = []  # reads this store started and did not finish
-        self.last_guess: np.ndarray | None = None  # the previous layer's guess, to score it
+        self.last_guesses: list[tuple[int, np.ndarray]] = []  # (depth, guess) of earlier layers, to score
+        self.guess_pool: GuessPool | None = None  # side buffers for guesses (None: guesses go into slots)
+        self.guessed: Guessed | None = None  # this layer's guessed experts in a side buffer
+        self._read_on_demand = False  # the current call read from the shards
         self.recorder = None  # TraceRecorder while the handle records routing
         self.position = 0  # index among the model's streamed layers (for the recorder)
         self._table: mx.array | None = None
@@ -60,10 +65,20 @@ class ExpertStore:
         self.pending = []
 
     def settle(self) -> None:
-        """Evaluate pending outputs of this layer: after this no graph reads its slots."""
+        """Evaluate pending outputs of this layer: after this no graph reads its slots. Not
+        counted as a sync: in decode the host has waited for them already (the last token)."""
         if self.pending:
             mx.eval(self.pending)
             self.pending = []
+
+    def sync(self, arrays) -> None:
+        """Evaluate `arrays`, the compute thread waiting for the device: counted per layer, since
+        on a fast GPU the syncs, not the reads, are what a decode token waits for."""
+        t0 = time.perf_counter()
+        mx.eval(arrays)
+        stats = self.cache.stats
+        stats.syncs += 1
+        stats.sync_seconds += time.perf_counter() - t0
 
     # -- counters (the cache's LayerStats; the cache counts its accesses and evictions) -------
     def count_resident_call(self) -> None:
@@ -122,19 +137,22 @@ class ExpertStore:
         else:
             staged = target.staging(len(slots))
             dests = [[block[i] for block in staged.blocks] for i in range(len(slots))]
+        copied = self._from_guesses(experts, dests)
         # Offsets come from this layer's tensors: a scratch target is shared by layers whose
         # tensors have the same shapes, so its own `tensors` may describe another layer.
         requests = [
             ReadRequest(t.info.file, t.offset_of(e), t.row_bytes, d)
-            for e, ds in zip(experts, dests)
+            for e, ds, done in zip(experts, dests, copied)
+            if not done
             for t, d in zip(self.slots.tensors, ds)
         ]
+        self._read_on_demand = self._read_on_demand or bool(requests)
         try:
-            future = self.reader.submit(requests)
+            future = self.reader.submit(requests) if requests else COPIED
         except BaseException:
             target.release(staged)
             raise
-        reads = PendingReads(target, experts, slots, staged, future)
+        reads = PendingReads(target, experts, slots, staged, future, int(len(experts) - copied.sum()))
         self.in_flight.append(reads)
         return reads
 
@@ -160,11 +178,11 @@ class ExpertStore:
                 stats.read_seconds += time.perf_counter() - t0
                 stats.bytes_read += result.bytes
                 if landed:
-                    stats.reads_landed += len(reads.experts)
+                    stats.reads_landed += reads.from_disk
                 else:
-                    stats.reads_waited += len(reads.experts)
+                    stats.reads_waited += reads.from_disk
                 if reads.target.write_mode != "direct" and pending:
-                    mx.eval(list(pending))  # a slice update on an array a pending graph reads would copy it
+                    self.sync(list(pending))  # a slice update on an array a pending graph reads would copy it
                 reads.target.commit(reads.slots, reads.staged)
             finally:
                 if reads in self.in_flight:
@@ -189,25 +207,58 @@ class ExpertStore:
                 pass
             self._discard(reads)
 
+    def _from_guesses(self, experts: np.ndarray, dests) -> np.ndarray:
+        """Copy the experts the side buffer holds into their destinations; the mask of those."""
+        if self.guessed is None or not experts.size:
+            return np.zeros(len(experts), dtype=bool)
+        copied = self.guessed.copy_out(np.asarray(experts), dests)
+        n = int(copied.sum())
+        stats = self.cache.stats
+        stats.prefetch_hits += n
+        stats.guess_buffer_hits += n
+        return copied
+
     def _discard(self, reads: PendingReads) -> None:
         reads.target.release(reads.staged)
         if reads.target is self.slots:
             self.cache.release(reads.slots)
 
     # -- lookahead ----------------------------------------------------------------------------
-    def prefetch(self, guessed: np.ndarray, cap: int) -> None:
-        """Start reading the guessed experts this layer lacks (the first `cap`)."""
+    def prefetch(self, guessed: np.ndarray, cap: int, depth: int = 1) -> None:
+        """Start reading the guessed experts this layer lacks (the first `cap`): into a side
+        buffer (guess_pool set) or into slots. `depth`: how many layers ahead the guess was made."""
+        self.last_guesses.append((depth, guessed))
+        if self.guess_pool is not None:
+            self._prefetch_to_buffer(guessed, cap)
+            return
         self.await_prefetch()
         self.reap()
-        self.last_guess = guessed
         wanted = guessed[~self.cache.resident(guessed)][:cap]
         if wanted.size == 0:
             return
         self.cache.stats.prefetch_reads += int(wanted.size)
         self.prefetching = self.start_reads(wanted, protected=guessed, prefetched=True)
 
+    def _prefetch_to_buffer(self, guessed: np.ndarray, cap: int) -> None:
+        """The first `cap` guessed experts that are neither resident nor already guessed by a
+        layer further back (prefetch_depth > 1) are read into this layer's side buffer."""
+        wanted = guessed[~self.cache.resident(guessed)]
+        if self.guessed is not None:
+            wanted = self.guessed.wanted(wanted)
+        if wanted.size == 0 or cap == 0:
+            return
+        if self.guessed is None:
+            self.guessed = Guessed(self.guess_pool, self.slots.tensors, self.cache.num_experts)
+        wanted = wanted[: min(cap, self.guessed.room)]
+        if wanted.size == 0:
+            return
+        self.guessed.start(self.reader, wanted)
+        self.cache.stats.prefetch_reads += int(wanted.size)
+
     def await_prefetch(self) -> None:
         """Called before this layer computes: the guessed experts' bytes must have landed."""
+        if self.guessed is not None:
+            self.guessed.land(self.cache.stats)
         reads, self.prefetching = self.prefetching, None
         if reads is None:
             return
@@ -216,11 +267,25 @@ class ExpertStore:
         except Exception as exc:  # the demand read of the same bytes will report it properly
             log.debug("%s: prefetch read failed: %s", self.name, exc)
 
+    def end_call(self) -> None:
+        """After this layer's routed call: counted if it read on demand; the side buffer's
+        guesses are spent (a wrong one cost its bytes and nothing else), the buffer goes back."""
+        if self._read_on_demand:
+            self.cache.stats.demand_calls += 1
+            self._read_on_demand = False
+        guessed, self.guessed = self.guessed, None
+        if guessed is not None:
+            guessed.close()
+
     def score_guess(self, needed: np.ndarray) -> None:
-        """Compare the lookahead's last guess for this layer with what it really needed."""
-        if self.last_guess is None:
-            return
+        """Compare the lookahead's guesses for this layer with what it really needed."""
         stats = self.cache.stats
-        stats.guesses += int(self.last_guess.size)
-        stats.guess_hits += int(np.isin(self.last_guess, needed).sum())
-        self.last_guess = None
+        for depth, guess in self.last_guesses:
+            right = int(np.isin(guess, needed).sum())
+            if depth == 1:
+                stats.guesses += int(guess.size)
+                stats.guess_hits += right
+            else:
+                stats.far_guesses += int(guess.size)
+                stats.far_guess_hits += right
+        self.last_guesses = []

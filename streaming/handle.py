@@ -135,8 +135,8 @@ class StreamHandle:
             s.cache.stats = LayerStats()
         self.decode.reset()
         for layer in self.layers:
-            if layer.lookahead is not None:
-                layer.lookahead.restart_windows()
+            for lookahead in layer.lookaheads:
+                lookahead.restart_windows()
 
     @contextmanager
     def compute_only(self):

@@ -35,6 +35,7 @@ from .expert_store import ExpertStore
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
 from .online_budget import OnlineBudget
+from .guess_buffer import GuessPool
 from .prefill_sweep import ScratchPool
 from .streamed_switch import StreamedSwitch
 from .traces import load_trace
@@ -290,9 +291,16 @@ def _link_online_budget(layers, full, floor: int, capacity: int, rebalancing: bo
 
 
 def _link_lookahead(model, layers, spec, top_k, settings) -> None:
-    """Each streamed layer guesses the experts of the next streamed layer."""
+    """Each streamed layer guesses the experts of the next `prefetch_depth` streamed layers,
+    read into side buffers of the model's GuessPool (or, with prefetch_into slots, into the
+    guessed layers' slots)."""
     router_hook = spec.router
-    for current, nxt in zip(layers, layers[1:]):
-        probe = make_probe(model, current.store.name, nxt.store.name, top_k or 1, router_hook)
-        if probe is not None:
-            current.lookahead = Lookahead(probe, nxt.store, settings.prefetch_per_layer)
+    pool = GuessPool(settings.prefetch_per_layer * settings.prefetch_depth) if settings.prefetch_into == "buffer" else None
+    for i, current in enumerate(layers):
+        for depth, later in enumerate(layers[i + 1:i + 1 + settings.prefetch_depth], start=1):
+            guesses = settings.prefetch_guesses or top_k or 1
+            probe = make_probe(model, current.store.name, later.store.name, guesses, router_hook)
+            if probe is None:
+                continue
+            later.store.guess_pool = pool
+            current.lookaheads.append(Lookahead(probe, later.store, settings.prefetch_per_layer, depth))

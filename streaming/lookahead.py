@@ -128,12 +128,14 @@ def module_at(model: nn.Module, path: str):
 
 
 class Lookahead:
-    """Layer l's lookahead into the next streamed layer, with its on/off bookkeeping."""
+    """Layer l's lookahead into a later streamed layer (`depth` streamed layers ahead), with its
+    on/off bookkeeping."""
 
-    def __init__(self, probe: RouterProbe, target, per_call: int):
+    def __init__(self, probe: RouterProbe, target, per_call: int, depth: int = 1):
         self.probe = probe
-        self.target = target  # the next layer's ExpertStore
+        self.target = target  # the guessed layer's ExpertStore
         self.per_call = per_call
+        self.depth = depth
         self.active = True
         self._calls_off = 0
         self._window_start = (0, 0)  # target's (guesses, guess_hits) when the window began
@@ -154,7 +156,7 @@ class Lookahead:
 
     def issue(self, guessed: np.ndarray) -> None:
         """Start reading the guessed experts the target lacks, most confident first."""
-        self.target.prefetch(guessed, self.per_call)
+        self.target.prefetch(guessed, self.per_call, self.depth)
         if _window_failed(self._counts(), self._window_start, WINDOW_GUESSES, MIN_GUESS_HIT_SHARE):
             self.active = False
         if _window_failed(self._read_counts(), self._reads_start, WINDOW_READS, MIN_READ_PRECISION):
@@ -166,6 +168,8 @@ class Lookahead:
 
     def _counts(self):
         stats = self.target.cache.stats
+        if self.depth > 1:
+            return stats.far_guesses, stats.far_guess_hits
         return stats.guesses, stats.guess_hits
 
     def _read_counts(self):

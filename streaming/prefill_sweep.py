@@ -104,7 +104,7 @@ class PrefillSweep:
             store.finish_reads(scratch_reads)
             if j + 1 < len(batches):
                 if in_use[(j + 1) % 2] is not None:
-                    mx.eval(in_use[(j + 1) % 2])  # its buffer is about to be overwritten
+                    store.sync(in_use[(j + 1) % 2])  # its buffer is about to be overwritten
                 scratch_reads = _read_batch(store, buffers, batches, j + 1)
             buffer = buffers[j % 2]
             local = np.full(cache.num_experts, -1, dtype=np.int32)
@@ -115,7 +115,7 @@ class PrefillSweep:
         if adopt_reads is not None:
             store.finish_reads(adopt_reads, pending=[y for ys in in_use if ys is not None for y in ys])
             pairs(adopt, from_cache, cache.num_slots)
-        mx.eval(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
+        store.sync(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
         store.unpin()
         return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
 

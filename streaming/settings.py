@@ -30,8 +30,16 @@ class StreamSettings:
     # Routing lookahead during decode: predict the next MoE layer's experts and read them early.
     # None: on, except on CUDA where it measured harmful (streaming/lab/MEASUREMENTS.md).
     prefetch: Optional[bool] = None
-    # At most this many reads of guessed experts per layer per token.
+    # At most this many reads of guessed experts per layer per token (per guessing layer).
     prefetch_per_layer: int = 4
+    # Where guessed experts are read: "buffer" (a side buffer outside the cache; a layer that
+    # needs one copies it into its slot, so a wrong guess evicts nothing) or "slots".
+    prefetch_into: str = "buffer"
+    # How many streamed layers ahead each layer guesses (1: the next one).
+    prefetch_depth: int = 1
+    # How many of the probe's most likely experts make a guess (None: the model's top-k);
+    # fewer reads fewer wrong guesses and covers fewer misses.
+    prefetch_guesses: Optional[int] = None
     # Leave MoE layers whose experts all fit in their share of the budget as stock layers (their
     # experts load with the trunk and run at stock's speed); false streams them through slots.
     resident: bool = True
@@ -92,6 +100,9 @@ class StreamSettings:
         _check_choice("reader", self.reader, ("auto", "native", "python"))
         _check_choice("cache_bypass", self.cache_bypass, ("auto", "direct", "fadvise", "nocache", "none"))
         _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "cuda", "copy"))
+        _check_choice("prefetch_into", self.prefetch_into, ("buffer", "slots"))
+        if self.prefetch_depth < 1:
+            raise SettingsError("prefetch_depth must be >= 1")
         if self.top_k_override is not None and self.top_k_override < 1:
             raise SettingsError("top_k_override must be >= 1")
         if self.skip_miss_below is not None and not 0 <= self.skip_miss_below < 1:
@@ -162,7 +173,7 @@ MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops b
 # Finite bounds of the numeric settings (NaN and .inf fall outside); None: that side unbounded.
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
            "context_length": (1, 1 << 24),
-           "prefetch_per_layer": (0, 4096), "prefill_step": (1, 1 << 20),
+           "prefetch_per_layer": (0, 4096), "prefetch_depth": (1, 64), "prefetch_guesses": (1, 4096), "prefill_step": (1, 1 << 20),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
 

@@ -25,12 +25,13 @@ class StreamedSwitch(nn.Module):
     """Called exactly like the SwitchGLU / SwitchMLP it replaces: `layer(x, indices)`."""
 
     def __init__(self, inner: nn.Module, store: ExpertStore, overlap: bool = True, skipper=None,
-                 scratch=None, lookahead=None):
+                 scratch=None, lookaheads=()):
         super().__init__()
         self.inner = inner
         self.store = store
         self.compute = ExpertCompute(inner, store.cache.num_experts)
-        self.lookahead = lookahead  # lookahead.Lookahead into the next streamed layer (set by the loader), or None
+        # lookahead.Lookahead into each of the next streamed layers it guesses (set by the loader)
+        self.lookaheads = list(lookaheads)
         self.resident = ResidentPath(store, self.compute)
         self.layered = LayerByLayer(store, self.compute, scratch, overlap)
         self.sweep = PrefillSweep(store, self.compute, scratch)
@@ -66,13 +67,15 @@ class StreamedSwitch(nn.Module):
         store = self.store
         store.reap()
         try:
-            call = route(store, self.lookahead, x, indices)
+            call = route(store, self.lookaheads, x, indices)
             path = self._host_path(x, call)
             self.path_taken = path
             y = path(x, indices, call)
         except BaseException:
             store.reap()  # a failed call leaves no read behind that could still write a slot
             raise
+        finally:
+            store.end_call()  # the side buffer's bytes were copied where the call needed them
         store.pin([y])
         return y
 

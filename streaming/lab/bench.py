@@ -312,7 +312,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
     read_seconds = handle.reader.total_seconds - watch.reader[1]
     decode_tokens = max(len(run["tokens"]) - 1, 1)
     uses = decode["hits"] + decode["misses"]
-    lookaheads = [layer.lookahead for layer in handle.layers]
+    lookaheads = [look for layer in handle.layers for look in layer.lookaheads]
     report.update(
         decode_tok_s=run["decode_tok_s"],
         prefill_tok_s=run["prefill_tok_s"],
@@ -336,7 +336,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
         page_cache=page_cache,
         prefill_reads_per_missed_expert=_prefill_reads_per_miss(handle, watch.stats),
         lookahead=lookahead_figures(per_layer, decode_tokens,
-                                    sum(1 for look in lookaheads if look is not None and not look.active),
+                                    sum(1 for look in lookaheads if not look.active),
                                     replayed=routing is not None),
         reads=read_figures(per_layer, decode_tokens),
         peak_rss_gb=peak_rss_bytes() / 1e9,

@@ -119,7 +119,7 @@ def test_lookahead_reports_and_switches_off(checkpoints):
     path = checkpoints("qwen3_moe", experts=32, top_k=4, layers=3)
     stock, streamed, handle = load_pair(path, slots=8)
     layers = _streamed_layers(streamed)
-    look = layers[0].lookahead
+    look = layers[0].lookaheads[0]
     assert look is not None
     # Make layer 0's guesses useless: always experts layer 1 is never routed to here.
     real_guess = look.probe.guess

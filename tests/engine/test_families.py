@@ -220,7 +220,7 @@ def test_kimi_k3_without_latent_moe_is_exact_with_lookahead(checkpoints):
 
     path = checkpoints("kimi_k3", overrides={"routed_expert_hidden_size": None})
     stock, streamed, handle = load_pair(path)
-    assert all(layer.lookahead is not None for layer in handle.layers[:-1])
+    assert all(layer.lookaheads for layer in handle.layers[:-1])
     assert_same_logits(stock, streamed, prompt_ids(70, seed=3), decode_steps=16, chunk=32)
     assert handle.stats()["totals"]["guesses"] > 0
     handle.close()
@@ -234,7 +234,7 @@ def test_kimi_k3_latent_moe_streams_without_lookahead(checkpoints):
     from exactness import assert_same_logits, load_pair, prompt_ids
 
     stock, streamed, handle = load_pair(checkpoints("kimi_k3"))
-    assert len(handle.layers) > 1 and all(layer.lookahead is None for layer in handle.layers)
+    assert len(handle.layers) > 1 and all(not layer.lookaheads for layer in handle.layers)
     assert_same_logits(stock, streamed, prompt_ids(48), decode_steps=6)
     handle.close()
 
@@ -280,7 +280,7 @@ def test_prism_hadamard_pack_is_what_mlx_lm_loads_and_streams_with_lookahead(che
     assert not mx.array_equal(stock(prompt), unrotated(prompt)).item()
 
     stock, streamed, handle = load_pair(path)
-    assert len(handle.layers) > 1 and all(layer.lookahead is not None for layer in handle.layers[:-1])
+    assert len(handle.layers) > 1 and all(layer.lookaheads for layer in handle.layers[:-1])
     assert_same_logits(stock, streamed, prompt, decode_steps=16, chunk=16)
     totals = handle.stats()["totals"]
     assert totals["guesses"] > 0 and totals["evictions"] > 0

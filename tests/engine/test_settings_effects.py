@@ -140,7 +140,7 @@ def test_policy_picks_the_eviction_policy(moe):
 def test_prefetch_off_links_no_lookahead(moe):
     for prefetch in (True, False):
         _, _, handle = expert_stream.load(moe, budget_gib=0.00005, prefetch=prefetch)
-        assert (handle.layers[0].lookahead is not None) is prefetch
+        assert bool(handle.layers[0].lookaheads) is prefetch
         handle.close()
 
 

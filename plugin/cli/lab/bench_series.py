@@ -63,16 +63,22 @@ def print_series(s: dict) -> None:
         + (" / " + " ".join(f"{x:.2f}" for x in r["decode_tok_s_rounds"]) if r["decode_tok_s_rounds"] else ""))
     add("prefill tok/s", lambda m, r: _num(m["prefill_tok_s"], ".1f"))
     add("misses/token", lambda m, r: _num(m["misses_per_token"], ".1f") + _ratio(r["misses_per_token"]))
+    add("  read on demand/token", lambda m, r: _num(m["demand_misses_per_token"], ".1f"))
     add("bytes/token", lambda m, r: (_num(m["bytes_per_token"] / 1e6, ".2f") + " MB" if m["bytes_per_token"] is not None
                                      else "-") + _ratio(r["bytes_per_token"]))
     add("lookahead guesses/token", lambda m, r: _num(m["guesses_per_token"], ".1f"))
     add("  guessed right" + (" (replay: cannot know)" if replay else ""),
         lambda m, r: _num(m["guess_hit_rate"] and 100 * m["guess_hit_rate"], ".1f") + ("%" if m["guess_hit_rate"] is not None else ""))
+    add("  2+ layers ahead, right", lambda m, r: _num(m["far_guess_hit_rate"] and 100 * m["far_guess_hit_rate"], ".1f")
+        + ("%" if m["far_guess_hit_rate"] is not None else ""))
     add("by prediction, of reads needed", lambda m, r: _num(m["by_prediction_share"] and 100 * m["by_prediction_share"], ".1f") + "%")
     add("  of all expert uses", lambda m, r: _num(m["by_prediction_share_of_uses"] and 100 * m["by_prediction_share_of_uses"], ".1f") + "%")
     add("experts read/token", lambda m, r: _num(m["experts_read_per_token"], ".1f"))
     add("  hidden (in before asked)", lambda m, r: _num(m["hidden_share"] and 100 * m["hidden_share"], ".1f")
         + ("%" if m["hidden_share"] is not None else ""))
+    add("syncs/token", lambda m, r: _num(m["syncs_per_token"], ".1f"))
+    add("  layers reading on demand/token", lambda m, r: _num(m["demand_layers_per_token"], ".1f"))
+    add("  ms/token: syncs / read waits / rest", _time_split)
     sim = "replay_" if replay else ""
     add("LRU misses/token (sim)", lambda m, r: _num(m[f"{sim}lru_misses_per_token"], ".1f"))
     add("Belady misses/token (sim)", lambda m, r: _num(m[f"{sim}belady_misses_per_token"], ".1f"))
@@ -89,6 +95,15 @@ def print_series(s: dict) -> None:
         if v["summary"]["killed_rounds"]:
             print(f"{v['name']}: {v['summary']['killed_rounds']} round(s) killed under the memory cap")
     print()
+
+
+def _time_split(m: dict, r: dict) -> str:
+    """A decode token's wall time: waiting for the device (syncs, the compute queued before
+    them included), waiting for reads, and the rest (host work between them)."""
+    sync, wait, rate = m["sync_per_token_s"], m["read_wait_per_token_s"], m["decode_tok_s"]
+    if sync is None or wait is None or not rate:
+        return "-"
+    return f"{1e3 * sync:.1f} / {1e3 * wait:.1f} / {1e3 * (1 / rate - sync - wait):.1f}"
 
 
 def _exact_cell(m: dict) -> str:
