@@ -83,7 +83,8 @@ def decode_figures(forwards: list[ForwardCount], prompt_tokens: int, generated: 
         "tokens_per_forward": generated / len(decode) if decode else None,
         "bytes_per_token": nbytes / generated if generated else None,
         "misses_per_token": sum(f.misses for f in decode) / generated if generated else None,
-        "expert_uses_per_token": sum(f.misses + f.hits for f in decode) / generated if generated else None,
+        # distinct experts each pass looked up (once for all its tokens), per generated token
+        "experts_looked_up_per_token": sum(f.misses + f.hits for f in decode) / generated if generated else None,
         "drafted": drafted,
         "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
@@ -202,7 +203,7 @@ def run_replayed(run: DraftRun, trace_path: Path, start_row: int, acceptance: fl
             if rejected == "unrelated":
                 rows[n + 1:] += rows_total // 2
             replay.begin_rows(rows % rows_total)
-            counted(prompt[-1:].astype(mx.int32)[None].repeat(drafts + 1, axis=1), cache=cache)
+            counted(mx.repeat(prompt[-1:], drafts + 1)[None], cache=cache)  # the tokens do not matter: the routing is replayed
             trim_prompt_cache(cache, drafts - n)
             generated += n + 1
             position += n + 1
