@@ -67,8 +67,9 @@ class DecodeClock:
         self._last = (now, read)
 
     def new_run(self) -> None:
-        """A generation starts: the time since the previous call was not a decode step."""
-        self._last = None
+        """A generation starts: the time since the previous call was not a decode step (and a
+        speculative generation left unfinished, never closed, counts no more)."""
+        self._last, self._by_yields = None, False
 
     def reset(self) -> None:
         self._last = None
