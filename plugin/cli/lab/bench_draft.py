@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from expert_stream.streaming.errors import SettingsError
 
@@ -58,7 +59,11 @@ def run(args, settings: dict) -> int:
         start = args.trace_start if args.trace_start is not None else replay_start(load_trace(args.routing), len(prompt))
         report = run_replayed(draft_run, Path(args.routing), start, args.acceptance, args.rejected_routing)
     else:
-        report = run_with_draft(draft_run, Path(args.draft_model), stock=args.stock != "no")
+        from expert_stream.streaming.footprint import checkpoint_footprint
+        from expert_stream.streaming.lab.bench import stock_wanted
+
+        stock = stock_wanted(SimpleNamespace(stock=args.stock), checkpoint_footprint(model_dir))  # auto: when it fits
+        report = run_with_draft(draft_run, Path(args.draft_model), stock=stock)
     report.update(model_dir=str(model_dir), budget_gib=args.budget_gib, prompt_tokens=int(np.asarray(prompt).size),
                   gen_tokens=args.gen_tokens)
     if args.json:
