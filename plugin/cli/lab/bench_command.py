@@ -80,11 +80,10 @@ def parse_variant(text: str):
 
 
 def run_bench_command(args) -> int:
+    from expert_stream.plugin.cli.lab import bench_draft
     from expert_stream.streaming.lab.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
-    from expert_stream.plugin.cli.lab import bench_draft
-
     if bench_draft.wanted(args):
         return bench_draft.run(args, settings)
     if args.ranks is not None:
