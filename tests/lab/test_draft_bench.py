@@ -79,3 +79,18 @@ def test_acceptance_is_a_prefix_of_the_drafts():
 def test_flags_that_do_not_combine_are_refused(model, flags, message, capsys):
     assert main(["bench", str(model), *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_synth_makes_drafts_with_the_main_models_tokenizer(model, tmp_path, capsys):
+    from mlx_lm.utils import load
+
+    _, tokenizer = load(str(model))
+    for flags, layers in ((["--layers", "1", "--hidden", "64"], 1), (["--early-exit", "--layers", "2"], 2)):
+        out = tmp_path / f"draft-{layers}"
+        assert main(["synth", "--draft-for", str(model), "--out", str(out), *flags]) == 0
+        draft, draft_tokenizer = load(str(out))
+        assert len(draft.layers) == layers
+        assert draft_tokenizer.vocab_size == tokenizer.vocab_size
+        assert draft_tokenizer.encode("def f(x):") == tokenizer.encode("def f(x):")
+    assert main(["synth", "--draft-for", str(model), "--out", str(tmp_path / "x"), "--early-exit"]) != 0
+    assert "give --layers" in capsys.readouterr().err

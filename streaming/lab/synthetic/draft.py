@@ -1,8 +1,7 @@
 """Draft models for speculative decoding with a streamed MoE (benchmark and test lab code).
 
-A draft must share the main model's tokenizer. Two kinds, both written beside nothing else
-than what `mlx_lm.load` reads (config.json, model.safetensors, the main model's tokenizer
-files copied verbatim):
+A draft must share the main model's tokenizer. Two kinds, each written as what `mlx_lm.load`
+reads (config.json, model.safetensors, the main model's tokenizer files copied verbatim):
 
 - dense: a small random-weight dense qwen3 with the main model's vocabulary. Its guesses are
   noise, so almost every draft token is rejected: it exercises the verify pass and the cache
@@ -21,9 +20,10 @@ import shutil
 from pathlib import Path
 
 from .errors import SyntheticError
+from .writer import SYNTH_FILE
 
-# Files of a checkpoint folder that are weights or the model's own config, never copied.
-_NOT_TOKENIZER = ("config.json", "model.safetensors.index.json", "expert_stream_synth.json")
+# Files of a checkpoint folder that are weights or describe the model itself, never copied.
+_NOT_TOKENIZER = ("config.json", "model.safetensors.index.json", SYNTH_FILE)
 
 
 def _main_config(main_dir: Path) -> dict:
