@@ -32,11 +32,12 @@ def limit_of(options, memory_bytes: Optional[int] = None) -> MemoryLimit:
 def own_terms(entry, options) -> tuple:
     """What an entry's process holds besides its slots (a dense entry: the whole model)."""
     headroom = process_terms(0, options.headroom_gib, "expert_stream.headroom_gib")[1:]
+    draft = (Term("draft model", entry.draft_bytes, "draft_model_path, loaded whole"),) if entry.draft_bytes else ()
     if not entry.streamed:
-        return (Term("model", entry.resident_bytes, "the whole model, not streamed"),) + headroom
+        return (Term("model", entry.resident_bytes, "the whole model, not streamed"),) + draft + headroom
     if entry.footprint is None:  # sizes unknown (the checkpoints were not read)
-        return headroom
-    return (model_terms(entry.footprint, entry.settings.context_length)
+        return draft + headroom
+    return (model_terms(entry.footprint, entry.settings.context_length) + draft
             + process_terms(entry.settings.mlx_cache_limit_gib, options.headroom_gib, "expert_stream.headroom_gib"))
 
 

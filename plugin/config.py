@@ -96,6 +96,7 @@ class ModelEntry:
     # An auto entry's budget, resolved with every other entry (admission.py); not part of the
     # fingerprint: a number resolved differently changes no model, its budget just follows.
     budget: Any = None  # streaming.auto_budget.HandedBudget
+    draft_bytes: int = 0  # the entry's draft_model_path checkpoint, loaded whole beside it (0: none or unknown)
 
     @property
     def streamed(self) -> bool:
@@ -244,6 +245,7 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
                               f"{entry.model_id!r}; give each a unique served_model_name")
         seen[entry.model_id] = i
         entries.append(entry)
+    _refuse_streamed_drafts(path, entries)
     config = HostConfig(path, text_hash, options, top_level, entries, schema)
     if check_models:
         try:
@@ -251,6 +253,19 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
         except AdmissionError as exc:
             raise ConfigError(str(exc)) from None
     return config
+
+
+def _refuse_streamed_drafts(path: Path, entries: list) -> None:
+    """A draft model loads whole and stock, in the same process as its main model: a streamed
+    entry's folder as a draft would be streamed a second time under the main model's name."""
+    streamed = {e.resolved_path(): e for e in entries if e.streamed}
+    for entry in entries:
+        draft = entry.host_entry.get("draft_model_path")
+        other = streamed.get(Path(draft).expanduser().resolve()) if isinstance(draft, str) and draft else None
+        if other is not None:
+            raise ConfigError(f"{path}: models[{entry.index}] ({entry.model_id}).draft_model_path is the folder of "
+                              f"models[{other.index}] ({other.model_id}), which streams: a draft model loads whole, "
+                              "without streaming; use a small dense model with the same tokenizer")
 
 
 def _parse_entry(path: Path, i: int, raw: Any, schema: HostSchema, options: PluginOptions,
@@ -344,6 +359,12 @@ def _check_model(where: str, entry: ModelEntry) -> None:
     from expert_stream.streaming.load_checks import check_budget, check_checkpoint
 
     model_dir = Path(entry.model_path).expanduser()
+    draft = entry.host_entry.get("draft_model_path")
+    if isinstance(draft, str) and draft and is_folder(Path(draft).expanduser()):
+        try:
+            entry.draft_bytes = CheckpointIndex(Path(draft).expanduser()).total_bytes()
+        except ExpertStreamError:
+            entry.draft_bytes = 0  # the host will say what is wrong with it
     if not entry.streamed:
         if is_folder(model_dir):
             try:

@@ -8,11 +8,16 @@ A call with more than one token (a prefill chunk, a batch) ends the run: the nex
 call starts a new one, so the time spent in prefill is never counted as decode time. So does the
 start of a generation, where the caller knows it (`new_run`: a prompt answered from the prompt
 cache can begin with a single-token call after the server sat idle), and, for callers that do
-not say, a gap longer than GAP_S."""
+not say, a gap longer than GAP_S.
+
+Speculative decoding (a draft model) never calls the main model with one token: each verify
+pass checks several and yields one to all of them. While such a generation runs, its loop counts
+the tokens it yields instead (`counting_yields`, `generated`), and forward passes are ignored."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 # No decode step of a served model takes a minute; a longer gap is the server idling.
@@ -29,12 +34,31 @@ class DecodeClock:
         self.tokens = 0
         self.seconds = 0.0
         self.bytes_read = 0
+        self._by_yields = False  # a speculative generation counts its yielded tokens
 
     def tick(self, tokens: int) -> None:
         """A forward pass reached the first streamed layer with `tokens` tokens."""
+        if self._by_yields:
+            return
         if tokens != 1:
             self._last = None
             return
+        self._step()
+
+    def generated(self) -> None:
+        """A speculative generation yielded a token (inside `counting_yields`)."""
+        self._step()
+
+    @contextmanager
+    def counting_yields(self):
+        """A generation whose loop calls `generated` per token; its forward passes do not count."""
+        self._by_yields, self._last = True, None
+        try:
+            yield
+        finally:
+            self._by_yields, self._last = False, None
+
+    def _step(self) -> None:
         now, read = time.perf_counter(), self._bytes_read()
         if self._last is not None and now - self._last[0] <= GAP_S:
             self.tokens += 1
@@ -43,8 +67,9 @@ class DecodeClock:
         self._last = (now, read)
 
     def new_run(self) -> None:
-        """A generation starts: the time since the previous call was not a decode step."""
-        self._last = None
+        """A generation starts: the time since the previous call was not a decode step (and a
+        speculative generation left unfinished, never closed, counts no more)."""
+        self._last, self._by_yields = None, False
 
     def reset(self) -> None:
         self._last = None

@@ -1,5 +1,6 @@
 """The `prefill_step` setting, applied where both hosts (and `mlx_lm.generate`) chunk a prompt:
-`mlx_lm.generate.generate_step`'s `prefill_step_size`.
+`mlx_lm.generate.generate_step`'s `prefill_step_size`, and `speculative_generate_step`'s when
+the host decodes with a draft model (it prefills the draft in the same chunks).
 
 The hosts pass their own step (mlx_lm.server its `--prefill-step-size`, mlx-openai-server
 mlx-lm's default), the same for every model. For a streamed model the chunk size decides how
@@ -8,7 +9,8 @@ any other model gets the host's value untouched.
 
 It is also where a generation starts, on the thread that runs it: the streamed model's decode
 clock starts a new run there (a prompt answered from the prompt cache can begin with a
-single-token call, which the clock alone would take for the next decode step)."""
+single-token call, which the clock alone would take for the next decode step). With a draft
+model the clock counts the tokens the generation yields (decode_clock.py says why)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import threading
 import weakref
 
 _lock = threading.Lock()
-# id(model) of a loaded streamed model -> (a weak reference to it, its prefill_step, what to
-# call as a generation starts); the reference guards against a later model that reuses a freed
-# model's id.
+# id(model) of a loaded streamed model -> (a weak reference to it, its prefill_step, its
+# decode_clock.DecodeClock or None); the reference guards against a later model that reuses a
+# freed model's id.
 _steps: dict[int, tuple] = {}
 _original = None
+_original_speculative = None
 
 
 def check() -> list[str]:
@@ -28,16 +31,21 @@ def check() -> list[str]:
     import importlib
     import inspect
 
-    fn = _original or getattr(importlib.import_module("mlx_lm.generate"), "generate_step", None)
-    if fn is None or "prefill_step_size" not in inspect.signature(fn).parameters:
-        return ["mlx_lm.generate.generate_step(prompt, model, prefill_step_size=...) is missing"]
-    return []
+    generate = importlib.import_module("mlx_lm.generate")
+    problems = []
+    for name, fn, head in (("generate_step", _original, ["prompt", "model"]),
+                           ("speculative_generate_step", _original_speculative, ["prompt", "model", "draft_model"])):
+        fn = fn or getattr(generate, name, None)
+        params = list(inspect.signature(fn).parameters) if fn else []
+        if params[:len(head)] != head or "prefill_step_size" not in params:
+            problems.append(f"mlx_lm.generate.{name}({', '.join(head)}, prefill_step_size=...) is missing")
+    return problems
 
 
 def install() -> None:
-    """Wrap `mlx_lm.generate.generate_step` (once per process); stream_generate calls it by
-    its module-level name."""
-    global _original
+    """Wrap `mlx_lm.generate.generate_step` and `speculative_generate_step` (once per process);
+    stream_generate calls them by their module-level names."""
+    global _original, _original_speculative
     import importlib
 
     generate = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` the attribute is a function
@@ -45,13 +53,14 @@ def install() -> None:
     with _lock:
         if _original is not None:
             return
-        _original = generate.generate_step
-        generate.generate_step = _generate_step
+        _original, _original_speculative = generate.generate_step, generate.speculative_generate_step
+        generate.generate_step, generate.speculative_generate_step = _generate_step, _speculative_generate_step
 
 
-def register(model, prefill_step: int, on_start=None) -> None:
+def register(model, prefill_step: int, clock=None) -> None:
+    """`clock`: the model's decode_clock.DecodeClock (a generation's start begins a new run)."""
     with _lock:
-        _steps[id(model)] = (weakref.ref(model), int(prefill_step), on_start)
+        _steps[id(model)] = (weakref.ref(model), int(prefill_step), clock)
 
 
 def unregister(model) -> None:
@@ -59,11 +68,34 @@ def unregister(model) -> None:
         _steps.pop(id(model), None)
 
 
-def _generate_step(prompt, model, *args, **kwargs):
+def _registered(model):
+    """(prefill_step, clock) of a registered streamed model, or None."""
     with _lock:
-        ref, step, on_start = _steps.get(id(model), (None, None, None))
-    if ref is not None and ref() is model:
-        kwargs["prefill_step_size"] = step
-        if on_start is not None:
-            on_start()
+        ref, step, clock = _steps.get(id(model), (None, None, None))
+    return (step, clock) if ref is not None and ref() is model else None
+
+
+def _generate_step(prompt, model, *args, **kwargs):
+    found = _registered(model)
+    if found is not None:
+        kwargs["prefill_step_size"], clock = found
+        if clock is not None:
+            clock.new_run()
     return _original(prompt, model, *args, **kwargs)
+
+
+def _speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+    found = _registered(model)
+    if found is None:
+        return _original_speculative(prompt, model, draft_model, *args, **kwargs)
+    kwargs["prefill_step_size"], clock = found
+    steps = _original_speculative(prompt, model, draft_model, *args, **kwargs)
+    return steps if clock is None else _counted(steps, clock)
+
+
+def _counted(steps, clock):
+    """The speculative generation's tokens, each counted by the clock as it is yielded."""
+    with clock.counting_yields():
+        for step in steps:
+            clock.generated()
+            yield step

@@ -49,6 +49,7 @@ class Forward:
     row: int
     tokens: int
     counted: bool
+    rows: np.ndarray | None = None  # set by `begin_rows`: rows that do not follow one another
 
 
 def check_fit(trace: RoutingTrace, where: str, model_type: str, num_experts: int, top_k: int | None) -> None:
@@ -81,6 +82,8 @@ class RoutingReplay:
         self.log: list[Forward] = []
         self.paths: list[str] = []  # module path of each MoE layer's expert call
         self._row: int | None = None  # first row of the forward in progress
+        self._rows: np.ndarray | None = None  # every row of the forward in progress
+        self._given: np.ndarray | None = None  # rows of the next forward (begin_rows)
         self._tokens = 0
 
     @property
@@ -91,13 +94,23 @@ class RoutingReplay:
         """The next forward starts at trace row `row`."""
         self.next_row = int(row) % self.num_rows
 
+    def begin_rows(self, rows) -> None:
+        """The next forward's tokens take these rows, one each (a speculative verify pass whose
+        rejected drafts route elsewhere: draft_bench.py)."""
+        self._given = np.asarray(rows, dtype=np.int64) % self.num_rows
+
     def start_forward(self, tokens: int) -> None:
-        self._row, self._tokens = self.next_row, int(tokens)
-        self.log.append(Forward(self._row, self._tokens, self.counting))
+        given, self._given = self._given, None
+        if given is not None and given.size != int(tokens):
+            raise ReplayError(f"begin_rows gave {given.size} rows for a forward of {tokens} tokens")
+        self._tokens = int(tokens)
+        self._rows = given if given is not None else self.rows(self.next_row, self._tokens)
+        self._row = int(self._rows[0]) if self._rows.size else self.next_row
+        self.log.append(Forward(self._row, self._tokens, self.counting, given))
 
     def end_forward(self) -> None:
-        self.next_row = (self._row + self._tokens) % self.num_rows
-        self._row = None
+        self.next_row = (int(self._rows[-1]) + 1) % self.num_rows if self._rows.size else self.next_row
+        self._row = self._rows = None
 
     def rows(self, start: int, count: int) -> np.ndarray:
         return (start + np.arange(count)) % self.num_rows
@@ -117,7 +130,7 @@ class RoutingReplay:
         if k > self.ids.shape[2]:
             raise ReplayError(f"{path}: the router gives top-{k}, the trace has top-{self.ids.shape[2]}")
         # A lossy top_k_override routes to fewer experts: the trace's first ones (its rank order).
-        ids = self.ids[self.rows(self._row, n), self.columns[layer], :k]
+        ids = self.ids[self._rows, self.columns[layer], :k]
         # `+ indices * 0` keeps the router in the graph of what the layer reads back: a layer
         # must wait for its router before it knows its misses, as with real routing (a constant
         # would be known before the device computed anything: a perfect lookahead).
@@ -125,7 +138,7 @@ class RoutingReplay:
 
     def counted_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, counted) of every token replayed so far, in order: what a simulator replays."""
-        rows = [self.rows(f.row, f.tokens) for f in self.log]
+        rows = [f.rows if f.rows is not None else self.rows(f.row, f.tokens) for f in self.log]
         counted = [np.full(f.tokens, f.counted) for f in self.log]
         if not rows:
             return np.zeros(0, np.int64), np.zeros(0, bool)

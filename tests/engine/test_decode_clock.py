@@ -47,6 +47,27 @@ def test_a_served_model_counts_each_generated_token(checkpoints):
     assert handle.stats()["decode"] == {"tokens": 0, "seconds": 0.0, "bytes_read": 0}
 
 
+def test_speculative_decoding_counts_the_tokens_it_yields(checkpoints, tmp_path):
+    """A draft model's verify passes each check several tokens (never a single-token call): the
+    clock counts the tokens the generation yields, from the first one out."""
+    from mlx_lm.utils import load_model
+
+    from expert_stream.streaming.lab.synthetic.draft import make_dense_draft
+
+    path = checkpoints(**MOE)
+    model, tokenizer, handle = expert_stream.load(str(path), budget_gib=0.00005)
+    draft = load_model(make_dense_draft(path, tmp_path / "draft"))[0]
+    t0 = time.perf_counter()
+    out = list(mlx_lm.stream_generate(model, tokenizer, "Tell me about solid state drives.", max_tokens=12,
+                                      draft_model=draft, num_draft_tokens=3))
+    elapsed = time.perf_counter() - t0
+    decode = handle.stats()["decode"]
+    assert len(out) == 12 and decode["tokens"] == 11
+    assert 0 < decode["seconds"] < elapsed and decode["bytes_read"] > 0
+    mlx_lm.generate(model, tokenizer, "And without a draft?", max_tokens=4)  # single-token calls count again
+    assert handle.stats()["decode"]["tokens"] == 11 + 4
+
+
 def test_runs_end_at_a_multi_token_call_and_at_a_long_gap(monkeypatch):
     now, read = [0.0], [0]
     monkeypatch.setattr(decode_clock.time, "perf_counter", lambda: now[0])

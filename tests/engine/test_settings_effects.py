@@ -64,6 +64,22 @@ def test_prefill_step_overrides_the_hosts_step_size(moe):
         interception.forget("m")
 
 
+def test_prefill_step_applies_to_speculative_decoding(moe, tmp_path):
+    """With a draft model stream_generate prefills through speculative_generate_step (the draft
+    in the same chunks): the streamed model's prefill_step wins there too."""
+    import mlx_lm
+    from mlx_lm.utils import load_model
+
+    from expert_stream.streaming.lab.synthetic.draft import make_dense_draft
+
+    draft = load_model(make_dense_draft(moe, tmp_path / "draft"))[0]
+    model, tokenizer, handle = expert_stream.load(moe, budget_gib=0.00005, prefill_step=8)
+    for _ in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=1, draft_model=draft, prefill_step_size=2048):
+        pass
+    assert sweeps(handle) >= 2 * 6
+    handle.close()
+
+
 def test_reader_picks_the_backend(moe):
     for backend in ("python", "native"):
         if backend == "native":

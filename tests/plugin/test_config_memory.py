@@ -152,3 +152,23 @@ def test_context_length_is_the_hosts_own_where_it_has_one(tmp_path, models, open
     assert a.settings.context_length == 100 and b.settings.context_length == 32768  # the documented default
     kv = {e.model_id: {t["name"]: t for t in e.budget_status()["terms"]}["KV cache"]["note"] for e in config.entries}
     assert kv == {"a": "100 tokens, measured from the model's caches", "b": "32768 tokens, measured from the model's caches"}
+
+
+def test_a_draft_model_counts_beside_its_entry_and_may_not_be_a_streamed_folder(tmp_path, models, openai_schema):
+    """mlx-openai-server loads an entry's draft_model_path whole in the entry's process: its bytes
+    are a term of the entry's auto budget; a streamed entry's folder is refused as a draft."""
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.lab.synthetic.draft import make_dense_draft
+
+    draft = make_dense_draft(models["a"], tmp_path / "draft")
+    text = config_text(models, 64 * GIB).replace("served_model_name: a,", f"served_model_name: a, draft_model_path: {draft},")
+    a, b = load(tmp_path, openai_schema, text).entries
+    terms = {t["name"]: t for t in a.budget_status()["terms"]}
+    assert terms["draft model"]["gib"] == round(CheckpointIndex(draft).total_bytes() / GIB, 4) > 0
+    assert terms["draft model"]["note"] == "draft_model_path, loaded whole"
+    assert "draft model" not in {t["name"] for t in b.budget_status()["terms"]}
+    refused = config_text(models, 64 * GIB).replace("served_model_name: a,",
+                                                    f"served_model_name: a, draft_model_path: {models['b']},")
+    with pytest.raises(ConfigError, match=r"models\[0\] \(a\)\.draft_model_path is the folder of models\[1\] \(b\), "
+                                          "which streams"):
+        load(tmp_path, openai_schema, refused)

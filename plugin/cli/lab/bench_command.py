@@ -50,6 +50,16 @@ def register(sub) -> None:
     b.add_argument("--ranks", type=int, default=None, metavar="N",
                    help="also run mlx-lm's pipeline mode with N ranks on 127.0.0.1 (ring backend, through "
                    "mlx.launch), the budget per rank: tok/s and bytes per token of each rank beside one process")
+    b.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="speculative decoding with this draft model (same tokenizer) beside single-token decode: "
+                   "bytes and misses per generated token, acceptance, stock-equal tokens (--corpus FILE: the prompt)")
+    b.add_argument("--num-draft", default="2,4", metavar="N,...",
+                   help="draft tokens per verify pass to run (default 2,4)")
+    b.add_argument("--acceptance", type=float, default=None, metavar="A",
+                   help="with --routing: speculative decoding where each draft is accepted with probability A")
+    b.add_argument("--rejected-routing", choices=("unrelated", "same"), default="unrelated",
+                   help="with --acceptance: rejected drafts route as unrelated tokens (default) or as the tokens "
+                   "later accepted at their positions")
     b.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     b.add_argument("--plot", default=None, metavar="OUT.png", help="plot tok/s and miss rate against budget")
     b.set_defaults(func=run_bench_command)
@@ -70,9 +80,12 @@ def parse_variant(text: str):
 
 
 def run_bench_command(args) -> int:
+    from expert_stream.plugin.cli.lab import bench_draft
     from expert_stream.streaming.lab.bench import BenchConfig, run_bench
 
     settings = parse_settings(args.set)
+    if bench_draft.wanted(args):
+        return bench_draft.run(args, settings)
     if args.ranks is not None:
         return _bench_ranks(args, settings)
     _check_combinations(args)

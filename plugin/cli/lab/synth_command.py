@@ -51,6 +51,11 @@ def register(sub) -> None:
                    help="pick the layer count so the checkpoint holds at least this many GB")
     p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
                    help="set a config field, e.g. --override num_attention_heads=32 (repeatable)")
+    p.add_argument("--draft-for", metavar="MODEL_DIR",
+                   help="instead: a draft model for speculative decoding with MODEL_DIR's tokenizer, a random dense "
+                   "qwen3 of --layers (default 2) and --hidden (default 128)")
+    p.add_argument("--early-exit", action="store_true",
+                   help="with --draft-for: the draft is MODEL_DIR's own first --layers layers, head and norm")
     p.add_argument("--dry-run", action="store_true", help="print the sizes without writing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_synth)
@@ -79,6 +84,8 @@ def run_synth(args) -> int:
     )
     from expert_stream.streaming.lab.synthetic.errors import SyntheticError
 
+    if args.draft_for or args.early_exit:
+        return _draft(args)
     kwargs = dict(
         layers=args.layers,
         experts=args.experts,
@@ -133,6 +140,27 @@ def run_synth(args) -> int:
         print(f"MTP head:   {_size(sizes['mtp_bytes'])} in {sizes['mtp_tensors']} tensors (stock drops it at load)")
     if path:
         print(f"written in: {seconds:.1f} s")
+    return 0
+
+
+def _draft(args) -> int:
+    from expert_stream.streaming.lab.synthetic.draft import make_dense_draft, make_truncated_draft
+    from expert_stream.streaming.lab.synthetic.errors import SyntheticError
+
+    if not args.draft_for:
+        raise SyntheticError("--early-exit makes a draft: give --draft-for MODEL_DIR")
+    if args.early_exit:
+        if args.layers is None:
+            raise SyntheticError("--early-exit: give --layers, the main model's layers the draft keeps")
+        path = make_truncated_draft(args.draft_for, args.out, args.layers)
+    else:
+        path = make_dense_draft(args.draft_for, args.out, layers=args.layers or 2, hidden=args.hidden or 128,
+                                seed=args.seed)
+    if args.json:
+        print(json.dumps({"path": str(path), "draft_for": args.draft_for, "early_exit": args.early_exit}))
+    else:
+        print(f"draft: {path} ({'early exit of' if args.early_exit else 'dense, random weights, tokenizer of'} "
+              f"{args.draft_for})")
     return 0
 
 

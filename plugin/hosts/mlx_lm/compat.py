@@ -27,7 +27,7 @@ def check(host: str, version: str) -> SimpleNamespace:
     if not callable(getattr(provider, "_load", None)):
         problems.append("ModelProvider._load is missing")
     init_source = source(provider.__init__) if provider else ""
-    for attr in ("_model_map", "_adapter_map", "model_key", "is_batchable"):
+    for attr in ("_model_map", "_adapter_map", "_draft_model_map", "model_key", "is_batchable"):
         if attr not in init_source:
             problems.append(f"ModelProvider.{attr} is missing")
     handler = getattr(server, "APIHandler", None)
@@ -49,8 +49,9 @@ def check(host: str, version: str) -> SimpleNamespace:
 
 def patch_provider(Provider, on_init, before_load, dropping, after_load) -> None:
     """Wrap ModelProvider: `on_init(provider, cli_args)` after its __init__;
-    `before_load(provider, requested)` before `load`, mlx_lm.server's own safe point between
-    requests on the generation thread; `dropping(provider)` when `_load` starts (it drops the
+    `before_load(provider, requested, draft)` before `load`, mlx_lm.server's own safe point
+    between requests on the generation thread (`draft`: the draft model's folder or hub id the
+    request gets, None without one); `dropping(provider)` when `_load` starts (it drops the
     model it held, to load another: one at a time); `after_load(provider, folder, seconds)`
     after `_load`, which actually loads a model (`folder` resolved)."""
     original_init, original_load, original__load = Provider.__init__, Provider.load, Provider._load
@@ -60,7 +61,7 @@ def patch_provider(Provider, on_init, before_load, dropping, after_load) -> None
         on_init(self, cli_args)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        before_load(self, model_path)
+        before_load(self, model_path, self._draft_model_map.get(draft_model_path, draft_model_path))
         return original_load(self, model_path, adapter_path, draft_model_path)
 
     def _load(self, model_path, *args, **kwargs):

@@ -95,7 +95,8 @@ class LmServerState:
             if cli_args.model in self.aliases():
                 compat.set_default(provider, self.aliases()[cli_args.model])
 
-    def _before_load(self, provider, model_path) -> None:
+    def _before_load(self, provider, model_path, draft) -> None:
+        refuse_streamed_draft(draft, "the request's draft model")
         with self.lock:
             if model_path in self.removed and model_path not in self.aliases():
                 raise ValueError(f"model {model_path!r} was removed from {self.config.path}")
@@ -256,3 +257,14 @@ class LmServerState:
             except Exception:  # the sampler outlives its own failures
                 log.exception("expert-stream: sampling the counters failed")
             time.sleep(self.history.interval_s)
+
+
+def refuse_streamed_draft(draft, where: str) -> None:
+    """A draft model loads whole, stock, beside the main model: the folder of a streamed entry
+    would be streamed a second time under that entry's name (and close the first one's reader)."""
+    from expert_stream.plugin.hosts import interception
+
+    target = interception.target_for(draft) if draft else None
+    if target is not None:
+        raise ValueError(f"{where} {draft} is the folder of the streamed entry {target.model_id!r}: a draft model "
+                         "loads whole, without streaming; use a small dense model with the same tokenizer")

@@ -88,6 +88,7 @@ class MlxLmServerHost:
         default = config.top_level.get("default_model") or config.entries[0].model_id
         if default not in config.by_id():
             raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
+        _check_draft_flag(host_args, config)
         argv = list(host_args)
         if "--model" not in argv:
             argv += ["--model", default]
@@ -133,6 +134,24 @@ def _listen_address(argv: list[str]) -> tuple[str, int]:
     parser.add_argument("--port", type=int, default=8080)
     known, _ = parser.parse_known_args(argv)
     return known.host, known.port
+
+
+def _check_draft_flag(host_args: list[str], config: HostConfig) -> None:
+    """mlx_lm.server's --draft-model must not name a streamed entry's folder (reloader.py says why)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--draft-model", default=None)
+    draft = parser.parse_known_args(host_args)[0].draft_model
+    if draft is None:
+        return
+    folder = Path(draft).expanduser().resolve()
+    for entry in config.entries:
+        if entry.streamed and entry.resolved_path() == folder:
+            raise ConfigError(f"--draft-model {draft} is the folder of models[{entry.index}] ({entry.model_id}), "
+                              "which streams: a draft model loads whole, without streaming; use a small dense "
+                              "model with the same tokenizer")
 
 
 def _check_unique_folders(config: HostConfig) -> None:
