@@ -187,16 +187,28 @@ class Ledger:
         # handle -> bytes it holds besides its slots (trunk, KV reserve); a handle dropped without
         # close() leaves with its model
         self._held = weakref.WeakKeyDictionary()
+        self._stock: dict[str, int] = {}  # name -> bytes of a model held whole beside (a draft model)
 
     def add(self, handle, fixed_bytes: int) -> None:
         with self._lock:
             self._held[handle] = fixed_bytes
 
+    def hold_stock(self, name: str, nbytes: int) -> None:
+        """A model loaded whole in this process (0 bytes: no longer held)."""
+        with self._lock:
+            if nbytes:
+                self._stock[name] = nbytes
+            else:
+                self._stock.pop(name, None)
+
     def others(self, handle=None) -> tuple[int, str]:
-        """(bytes, names) the models other than `handle` hold: trunk, KV reserve and budget."""
+        """(bytes, names) the models other than `handle` hold: trunk, KV reserve and budget, and
+        the models held whole."""
         with self._lock:
             held = [(h, b) for h, b in list(self._held.items()) if h is not handle]
-        return sum(b + h.budget.target_bytes for h, b in held), ", ".join(h.model_path.name for h, _ in held)
+            stock = dict(self._stock)
+        return (sum(b + h.budget.target_bytes for h, b in held) + sum(stock.values()),
+                ", ".join([h.model_path.name for h, _ in held] + list(stock)))
 
     def remove(self, handle) -> None:
         """`handle` is closed: split what it held between the auto budgets left (grow only)."""

@@ -166,3 +166,4 @@ def test_budget_changes_mid_generation_keep_logits_bitwise(checkpoints, at_once,
     assert [slots for slots, _ in seen] == [fp.top_k, experts, 5]
     assert handle.stats()["budget"]["budget_gib"] == round(5 * row / GIB, 4)
     handle.close()
+

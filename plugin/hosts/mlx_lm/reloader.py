@@ -97,6 +97,7 @@ class LmServerState:
 
     def _before_load(self, provider, model_path, draft) -> None:
         refuse_streamed_draft(draft, "the request's draft model")
+        hold_draft(draft)
         with self.lock:
             if model_path in self.removed and model_path not in self.aliases():
                 raise ValueError(f"model {model_path!r} was removed from {self.config.path}")
@@ -257,6 +258,22 @@ class LmServerState:
             except Exception:  # the sampler outlives its own failures
                 log.exception("expert-stream: sampling the counters failed")
             time.sleep(self.history.interval_s)
+
+
+def hold_draft(draft) -> None:
+    """The draft loads whole beside the model about to load: an auto budget counts it (a hub id
+    or an unreadable folder counts nothing; mlx_lm.server will say what is wrong with it)."""
+    from expert_stream.streaming.auto_budget import LEDGER
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.errors import ExpertStreamError
+
+    nbytes = 0
+    if draft and Path(str(draft)).expanduser().is_dir():
+        try:
+            nbytes = CheckpointIndex(Path(str(draft)).expanduser()).total_bytes()
+        except ExpertStreamError:
+            pass
+    LEDGER.hold_stock("draft model", nbytes)
 
 
 def refuse_streamed_draft(draft, where: str) -> None:
