@@ -124,7 +124,10 @@ class LayerByLayer:
             return self._in_parts(x, call.ids, missing, reads, passing, passing_reads)
         if reads is None:
             return self._whole(x, indices, call.ids)
-        if self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts:
+        # Overlap only where a read from the shards is left to hide: misses all copied from the
+        # side buffer take stock's one call, with less host work than the parts.
+        if (self.overlap and call.single_token and missing.size < call.needed.size and not call.sorts
+                and reads.from_disk):
             store.count_overlap_call()
             return self._in_parts(x, call.ids, missing, reads)
         store.finish_reads(reads)

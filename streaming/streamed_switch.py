@@ -30,8 +30,9 @@ class StreamedSwitch(nn.Module):
         self.inner = inner
         self.store = store
         self.compute = ExpertCompute(inner, store.cache.num_experts)
-        # lookahead.Lookahead into each of the next streamed layers it guesses (set by the loader)
-        self.lookaheads = list(lookaheads)
+        # lookahead.Lookahead into each of the next streamed layers it guesses (set by the loader).
+        # A plain attribute: MLX keeps a list set on a module in its parameter tree.
+        object.__setattr__(self, "lookaheads", list(lookaheads))
         self.resident = ResidentPath(store, self.compute)
         self.layered = LayerByLayer(store, self.compute, scratch, overlap)
         self.sweep = PrefillSweep(store, self.compute, scratch)

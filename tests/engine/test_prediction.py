@@ -160,6 +160,7 @@ def test_right_guesses_are_served_from_the_buffer(model_path, monkeypatch):
     assert sum(g["misses"] for g in guessed) > 0
     for g in guessed:
         assert g["guess_buffer_hits"] == g["misses"] and g["demand_calls"] == 0
+        assert g["overlap_calls"] == 0  # no read left to hide: stock's one call, not parts
     handle.close()
 
 

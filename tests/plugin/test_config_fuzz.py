@@ -26,7 +26,7 @@ HOSTILE = [None, True, False, 0, -1, 1, 3, 2 ** 70, -(2 ** 70), 10 ** 400, 1e300
            "/nowhere", [], {}, [1, 2], {"a": 1}, {1: 2, "b": 3}, [[[[[[[[[[1]]]]]]]]]], "x" * 10000,
            {"budget_gib": 1}, ["lru"], "lru", "python", "native", 64, 0.5, 1.5]
 KEYS = ["enabled", "watch", "poll_seconds", "debounce_seconds", "drain_timeout_s", "queue_timeout", "memory_gib",
-        "headroom_gib", "reload_endpoint", "defaults", "budget_gib", "policy", "prefetch", "prefetch_per_layer",
+        "headroom_gib", "reload_endpoint", "defaults", "budget_gib", "policy", "prefetch", "prefetch_per_layer", "prefetch_into", "prefetch_depth", "prefetch_guesses",
         "reader_threads", "reader", "slot_write", "cache_bypass", "mlx_cache_limit_gib", "top_k_override",
         "skip_miss_below", "prefill_step", "overlap", "warm_start", "model_path", "model_id",
         "served_model_name", "model_type", "context_length", "queue_size", "max_concurrency", "trust_remote_code",

@@ -236,6 +236,9 @@ def print_report(r: dict) -> None:
         rows.append(("experts read", f"{reads['experts_read_per_token']:.1f} per decode token: {reads['hidden_share']:.0%} "
                                      f"were in when their layer came for them (hidden), {reads['waited']} of "
                                      f"{reads['experts_read']} waited for"))
+    if reads and reads.get("syncs_per_token"):
+        rows.append(("syncs", f"{reads['syncs_per_token']:.1f} per decode token, {reads['sync_per_token_s'] * 1e3:.1f} ms "
+                              f"waiting in them; {reads['demand_layers_per_token']:.1f} layers a token read on demand"))
     sim = r.get("routing", {}).get("sim_misses_per_token")
     if sim:
         rows.append(("simulated", ", ".join(f"{k} {v:.1f}" for k, v in sim.items() if v is not None)
