@@ -27,6 +27,8 @@ COUNTER_METRICS = {
     "guess_hits": ("lookahead_guess_hits", "Guessed experts that the next layer then used"),
     "prefetch_reads": ("prefetch_reads", "Reads of guessed experts"),
     "prefetch_hits": ("prefetch_used", "Reads of guessed experts that a later call used"),
+    "syncs": ("routing_syncs", "Waits of the host for a layer's routing (one a streamed layer call)"),
+    "sync_seconds": ("routing_sync_seconds", "Seconds the host waited for routing"),
     "decode_tokens": ("decode_tokens", "Decode steps (tokens generated one at a time)"),
     "decode_seconds": ("decode_seconds", "Seconds the decode steps took"),
     "decode_bytes": ("decode_read_bytes", "Expert bytes read during decode steps"),
