@@ -139,6 +139,31 @@ def test_control_endpoints_trust_the_socket_peer_only(server):
     control_endpoint_refusals(host.base, port)
 
 
+def test_reload_endpoint_off_is_honoured(server):
+    """reload_endpoint: false answers 403 on mlx_lm.server too (it was read by mlx-openai-server
+    only); the watcher still applies edits."""
+    host, path, moe, _ = server
+    text = models_yaml(moe, [("renamed", 0.0001)])
+    reloads = http_json(host.base + "/expert-stream/status")[1]["reloads"]
+    path.write_text(text.replace("{watch: true", "{reload_endpoint: false, watch: true"))
+    wait_for(lambda: http_json(host.base + "/expert-stream/status")[1]["reloads"] > reloads, timeout=60,
+             what="the watcher to apply reload_endpoint: false")
+    code, body = http_json(host.base + "/expert-stream/reload", method="POST")
+    assert code == 403 and "reload_endpoint: false" in body["error"]
+    reloads = http_json(host.base + "/expert-stream/status")[1]["reloads"]
+    path.write_text(text)
+    wait_for(lambda: http_json(host.base + "/expert-stream/status")[1]["reloads"] > reloads, timeout=60,
+             what="the watcher to turn the endpoint back on")
+    assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 200
+
+
+def test_unknown_model_is_a_clear_404(server):
+    host, _, _, _ = server
+    code, body = chat(host.base, "no-such-model", PROMPT, 4)
+    assert code == 404, (code, body)
+    assert "no-such-model" in json.dumps(body) and "renamed" in json.dumps(body), body
+
+
 @pytest.mark.skipif(OTHER is None, reason="this machine has no address but loopback: no other peer to allow")
 def test_metrics_allow_opens_the_metrics_to_a_named_address(server):
     """The server listens on 0.0.0.0; a request from this machine's other address is not

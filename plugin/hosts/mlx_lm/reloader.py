@@ -97,8 +97,13 @@ class LmServerState:
 
     def _before_load(self, provider, model_path) -> None:
         with self.lock:
-            if model_path in self.removed and model_path not in self.aliases():
+            aliases = self.aliases()
+            if model_path in self.removed and model_path not in aliases:
                 raise ValueError(f"model {model_path!r} was removed from {self.config.path}")
+            if model_path not in (None, "", "default_model", *aliases, *aliases.values()):
+                # mlx_lm.server would take any other name for a Hugging Face repo and download
+                # it; this server serves its config (the host answers this with a 404).
+                raise ValueError(f"model {model_path!r} is not served here; served: {', '.join(aliases)}")
             loaded = compat.loaded_folder(provider)
             if loaded is not None and str(Path(loaded).resolve()) in self.stale:
                 self.stale.discard(str(Path(loaded).resolve()))

@@ -63,7 +63,11 @@ def patch_handler(state) -> None:
     def on_post(handler) -> bool:
         if handler.path.split("?")[0] != RELOAD_PATH:
             return False
-        if not refused(handler, RELOAD_PATH):
+        if refused(handler, RELOAD_PATH):
+            return True
+        if not state.config.options.reload_endpoint:
+            reply(handler, 403, {"error": "the reload endpoint is off (expert_stream.reload_endpoint: false)"})
+        else:
             result = state.reload("endpoint")
             reply(handler, 200 if result["ok"] else 422, redact_errors(result))
         return True

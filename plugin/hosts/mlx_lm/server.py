@@ -63,6 +63,7 @@ class MlxLmServerHost:
             name=self.name, version=version,
             entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path", "trust_remote_code"}),
             id_key="served_model_name", top_level_keys=frozenset({"default_model"}), one_model_at_a_time=True,
+            unread_options=frozenset({"drain_timeout_s", "queue_timeout"}),
         )
 
     def load_config(self, path, internals=None, **kw) -> HostConfig:
