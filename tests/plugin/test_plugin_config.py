@@ -150,6 +150,13 @@ def test_mlx_lm_refuses_options_it_would_ignore(tmp_path, option):
         MLX_LM_SERVER.load_config(path, check_models=False)
 
 
+def test_mlx_lm_refuses_a_default_model_nobody_serves(tmp_path):
+    """Checked in load_config, so a reload refuses it too (it was checked at start only)."""
+    path = write(tmp_path, "default_model: nobody\nmodels: [{model_path: /x, served_model_name: a}]")
+    with pytest.raises(ConfigError, match="default_model 'nobody' is not the served_model_name of any entry"):
+        MLX_LM_SERVER.load_config(path, check_models=False)
+
+
 def test_file_watcher_debounces_and_ignores_nothing(tmp_path):
     path = tmp_path / "f.yaml"
     path.write_text("a: 1")
