@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 EXACT, CLEAR, UNCLEAR, WRONG, HANG = "exact", "clear error", "unclear error", "wrong", "hang"
+SERVER_DOWN = "no server (killed by the soak)"
 # An absolute path in text meant for an HTTP client (the host's folders, the checkpoints, Python's).
 ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:tmp|home|work|usr|var|opt|root|private|Users|srv|mnt|etc)/")
 

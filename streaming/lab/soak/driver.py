@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .client import request
+from .client import SERVER_DOWN, UNCLEAR, request
 from .faults import Chaos, call, run_faults
 from .host_process import HostUnderSoak
 from .models import PROMPTS, prepare
@@ -44,11 +44,18 @@ def free_port() -> int:
 def client_loop(host, models, tally: Tally, rng: random.Random, stop: threading.Event, deadline_s: float) -> None:
     names, weights = list(MODEL_MIX), list(MODEL_MIX.values())
     while not stop.is_set():
+        if host.down.is_set():  # the soak killed the server: wait for it, as a client would retry
+            time.sleep(0.2)
+            continue
         model = rng.choices(names, weights)[0]
         prompt_name = rng.choices(list(PROMPT_MIX), list(PROMPT_MIX.values()))[0]
         prompt, max_tokens = PROMPTS[prompt_name]
         expected = models.expected.get((model, prompt_name))
-        tally.verdict(model, request(host.port, model, prompt, max_tokens, rng.random() < 0.5, expected, deadline_s))
+        starts = host.starts
+        verdict = request(host.port, model, prompt, max_tokens, rng.random() < 0.5, expected, deadline_s)
+        if verdict.kind == UNCLEAR and (host.down.is_set() or host.starts != starts):
+            verdict.kind = SERVER_DOWN  # the soak killed the server (mlx_lm.server) meanwhile
+        tally.verdict(model, verdict)
 
 
 def sample_loop(host, tally: Tally, stop: threading.Event) -> None:

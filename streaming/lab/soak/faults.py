@@ -135,13 +135,19 @@ class Chaos:
                 self.tally.failure(f"a reload with {headers} answered {code}, not 403")
 
     def kill_model_process(self) -> None:
-        """kill -9 of a model process of mlx-openai-server (mlx_lm.server has none: the server
-        is the model process, so its soak leaves this out)."""
+        """kill -9 of a model process: one of mlx-openai-server's, which the host restarts; under
+        mlx_lm.server the server itself, which the soak starts again (requests meanwhile find
+        no server, and count apart)."""
         import psutil
 
         now = time.time()
         self.kills = [t for t in self.kills if now - t < 600]
-        if self.host.host != "openai" or len(self.kills) >= KILLS_PER_10_MIN:
+        if len(self.kills) >= KILLS_PER_10_MIN:
+            return
+        if self.host.host == "mlx_lm":
+            self.kills.append(now)
+            self.tally.count("servers killed (kill -9) and started again")
+            self.host.restart_after_kill()
             return
         children = [p for p in psutil.Process(self.host.pid).children(recursive=True)
                     if "spawn_main" in " ".join(_cmdline(p)) and "resource_tracker" not in " ".join(_cmdline(p))]

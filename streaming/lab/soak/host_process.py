@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class HostUnderSoak:
         self.knobs = ConfigKnobs()
         self.process = None
         self.starts = 0
+        self.down = threading.Event()  # set while the soak has killed the server and starts it again
         self._log = None
 
     def write_config(self, text: str | None = None) -> None:
@@ -105,6 +107,17 @@ class HostUnderSoak:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"the {self.host} host did not answer within {START_TIMEOUT_S} s; its log: {self._log.name}")
+
+    def restart_after_kill(self) -> float:
+        """kill -9 the server, then start it again; `down` is set meanwhile."""
+        self.down.set()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self._log.close()
+            return self.start()
+        finally:
+            self.down.clear()
 
     @property
     def pid(self) -> int:

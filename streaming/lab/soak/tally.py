@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 
-from .client import CLEAR, EXACT, HANG, UNCLEAR, WRONG
+from .client import CLEAR, EXACT, HANG, SERVER_DOWN, UNCLEAR, WRONG
 
 KEPT_FAILURES = 40  # the first ones are kept with their text; all are counted
 
@@ -62,11 +62,12 @@ class Tally:
         """Everything counted, as one document (printed by `lines`)."""
         requests = sum(self.verdicts.values())
         rss = [s[1] for s in self.samples]
-        warm = rss[min(len(rss) - 1, len(rss) // 10)] if rss else 0  # after the first tenth: loaded
+        warm = max(rss[:max(5, len(rss) // 10)], default=0)  # the first tenth's top: models loaded
         return {
             **header,
             "requests": requests, "exact": self.verdicts[EXACT], "clear errors": self.verdicts[CLEAR],
             "wrong": self.verdicts[WRONG], "hangs": self.verdicts[HANG], "unclear errors": self.verdicts[UNCLEAR],
+            "no server (killed by the soak)": self.verdicts[SERVER_DOWN],
             "longest wait s": round(self.longest_wait, 1),
             "by model": {f"{m} {k}": n for (m, k), n in sorted(self.by_model.items())},
             "faults": dict(sorted(self.faults.items())), "counts": dict(sorted(self.counts.items())),
