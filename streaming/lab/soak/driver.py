@@ -88,8 +88,12 @@ def run_soak(plan: SoakPlan, say=print) -> dict:
     try:
         for t in threads:
             t.start()
-        while time.perf_counter() - started < plan.seconds and host.alive():
+        next_note = 60.0
+        while time.perf_counter() - started < plan.seconds and (host.alive() or host.down.is_set()):
             time.sleep(1.0)
+            if time.perf_counter() - started >= next_note:
+                next_note += 60.0
+                say(f"soak: {time.perf_counter() - started:.0f} s, {tally.progress()}")
         stop.set()
         for t in threads:
             t.join(plan.deadline_s + 30)

@@ -58,6 +58,12 @@ class Tally:
         with self.lock:
             self.samples.append((time.time(), rss, files, threads))
 
+    def progress(self) -> str:
+        with self.lock:
+            return (f"{sum(self.verdicts.values())} requests ({self.verdicts[EXACT]} exact, "
+                    f"{self.verdicts[CLEAR]} clear errors), {sum(self.faults.values())} faults, "
+                    f"{self.failure_count} failures")
+
     def summary(self, header: dict, server: dict) -> dict:
         """Everything counted, as one document (printed by `lines`)."""
         requests = sum(self.verdicts.values())
