@@ -164,6 +164,56 @@ def test_unknown_model_is_a_clear_404(server):
     assert "no-such-model" in json.dumps(body) and "renamed" in json.dumps(body), body
 
 
+def raw_post(base: str, body: bytes) -> tuple[int, bytes]:
+    import http.client
+    from urllib.parse import urlsplit
+
+    conn = http.client.HTTPConnection(urlsplit(base).hostname, urlsplit(base).port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe\x00garbage", b'{"model": "renamed", "messages": "hello"}',
+                                  b'{"model": "renamed", "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}',
+                                  b'{"model": 5, "messages": [{"role": "user", "content": "hi"}]}'])
+def test_malformed_bodies_get_a_4xx_not_a_closed_connection(server, body):
+    """The soak found mlx_lm.server closing the connection without a word on these (its body
+    checks raise out of the handler)."""
+    host, _, _, _ = server
+    code, answer = raw_post(host.base, body)
+    assert 400 <= code < 500 and json.loads(answer)["error"], (code, answer)
+
+
+def test_an_error_while_generating_reaches_the_client_naming_the_model(server):
+    """A shard truncated under a loaded streamed model: the request fails naming the model, as a
+    500 or, once a stream has begun, as an error event (the soak found the connection closed)."""
+    host, path, moe, _ = server
+    path.write_text(models_yaml(moe, [("renamed", 0.00005)]))
+    assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 200
+    assert chat_text(host.base, "renamed", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)  # loaded, 3 slots
+    shard = next(moe.glob("*.safetensors"))
+    original, stat = shard.read_bytes(), shard.stat()
+    try:
+        with open(shard, "r+b") as f:
+            f.truncate(len(original) // 2)
+        code, body = chat(host.base, "renamed", "another prompt, other experts", 40)
+        assert code == 500 and "'renamed'" in body["error"] and "model.safetensors" in body["error"], body
+        assert "/" not in body["error"].split("shard ")[1].split(" ")[0]  # the shard by its name only
+        text, _, errors, _ = stream_chat(host.base, "renamed", "yet another prompt", 40)
+        assert errors and "'renamed'" in errors[0]["error"]["message"], (text, errors)
+    finally:
+        with open(shard, "r+b") as f:
+            f.write(original)
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    path.write_text(models_yaml(moe, [("renamed", 0.0001)]))  # a changed entry loads afresh
+    assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 200
+    assert chat_text(host.base, "renamed", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)
+
+
 @pytest.mark.skipif(OTHER is None, reason="this machine has no address but loopback: no other peer to allow")
 def test_metrics_allow_opens_the_metrics_to_a_named_address(server):
     """The server listens on 0.0.0.0; a request from this machine's other address is not

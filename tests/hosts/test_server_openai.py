@@ -377,3 +377,30 @@ def test_a_killed_model_process_is_detected_and_restarted(server, models):
     after = scrape(host.base)
     assert_monotonic(before, counters_of(after, "moe"))
     assert after[("expert_stream_restarts_total", (("model", "moe"),))] == 1
+
+
+def test_an_error_while_generating_names_the_model(server, models):
+    """A shard truncated under the loaded streamed model: the request fails naming the model (the
+    host's own text is "Failed to generate text response: ..."; the soak found it naming none)."""
+    import os
+
+    host, path, port = server
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]))
+    assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+    shard = next(models["moe"].glob("*.safetensors"))
+    original, stat = shard.read_bytes(), shard.stat()
+    try:
+        with open(shard, "r+b") as f:
+            f.truncate(len(original) // 2)
+        code, body = chat(host.base, "moe", "another prompt, other experts", 40)
+        assert code == 500 and "model 'moe': " in json.dumps(body) and "model.safetensors" in json.dumps(body), body
+        text, _, errors, _ = stream_chat(host.base, "moe", "yet another prompt", 40)
+        assert errors and "model 'moe': " in json.dumps(errors), (text, errors)
+    finally:
+        with open(shard, "r+b") as f:
+            f.write(original)
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00006)]))  # a changed entry loads afresh
+    assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)

@@ -96,8 +96,31 @@ def install(internals, make_lifespan, child_worker) -> None:
     from expert_stream.plugin.redact import redacting
 
     internals.handler_process._handler_worker = child_worker
-    internals.Proxy._raise_remote_error = staticmethod(redacting(internals.Proxy._raise_remote_error))
+    raise_redacted = redacting(internals.Proxy._raise_remote_error)
+
+    def raise_remote_error(self, response):  # called as self._raise_remote_error: the proxy's model
+        return raise_redacted(naming_model(response, getattr(self, "model_id", None)))
+
+    internals.Proxy._raise_remote_error = raise_remote_error
     internals.server.create_multi_lifespan = make_lifespan
+
+
+def naming_model(response: dict, model_id) -> dict:
+    """A model process's error response whose text names its model: the host's own says only
+    "Failed to generate text response: ..." (the soak found such errors naming no model)."""
+    def named(text):
+        return text if not isinstance(text, str) or repr(model_id) in text else f"model {model_id!r}: {text}"
+
+    out = dict(response)
+    if model_id is None:
+        return out
+    for key in ("detail", "message"):
+        value = out.get(key)
+        if isinstance(value, dict) and isinstance(value.get("message"), str):
+            out[key] = {**value, "message": named(value["message"])}
+        elif isinstance(value, str):
+            out[key] = named(value)
+    return out
 
 
 def host_worker():
