@@ -18,7 +18,7 @@ import pytest
 
 from plugin_fixtures import (
     ENGINE_SETTINGS, HostProcess, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
-    expert_stream_argv, free_port, http_json, http_status, make_moe, non_loopback_address, scrape, stock_greedy,
+    expert_stream_argv, free_port, http_json, http_status, make_dense, make_moe, non_loopback_address, scrape, stock_greedy,
     stream_chat, wait_for,
 )
 
@@ -190,9 +190,13 @@ def test_malformed_bodies_get_a_4xx_not_a_closed_connection(server, body):
 
 def test_an_error_while_generating_reaches_the_client_naming_the_model(server):
     """A shard truncated under a loaded streamed model: the request fails naming the model, as a
-    500 or, once a stream has begun, as an error event (the soak found the connection closed)."""
+    500 or, once a stream has begun, as an error event (the soak found the connection closed);
+    a load of the truncated shard (after another model was served) fails naming the model too
+    (it named the shard only)."""
     host, path, moe, _ = server
-    path.write_text(models_yaml(moe, [("renamed", 0.00005)]))
+    dense = make_dense(moe.parent)
+    with_dense = models_yaml(moe, [("renamed", 0.00005)]) + f"  - model_path: {dense}\n    served_model_name: dense\n"
+    path.write_text(with_dense)
     assert http_json(host.base + "/expert-stream/reload", method="POST")[0] == 200
     assert chat_text(host.base, "renamed", PROMPT, 16) == stock_greedy(moe, PROMPT, 16)  # loaded, 3 slots
     shard = next(moe.glob("*.safetensors"))
@@ -202,9 +206,12 @@ def test_an_error_while_generating_reaches_the_client_naming_the_model(server):
             f.truncate(len(original) // 2)
         code, body = chat(host.base, "renamed", "another prompt, other experts", 40)
         assert code == 500 and "'renamed'" in body["error"] and "model.safetensors" in body["error"], body
-        assert "/" not in body["error"].split("shard ")[1].split(" ")[0]  # the shard by its name only
+        assert "/" not in body["error"].split("model.safetensors")[0].rsplit(" ", 1)[-1]  # the name only
         text, _, errors, _ = stream_chat(host.base, "renamed", "yet another prompt", 40)
         assert errors and "'renamed'" in errors[0]["error"]["message"], (text, errors)
+        assert chat(host.base, "dense", PROMPT, 4)[0] == 200  # mlx_lm.server drops "renamed" for it
+        code, body = chat(host.base, "renamed", PROMPT, 8)
+        assert code == 404 and body["error"].startswith("model 'renamed': ") and "truncated" in body["error"], body
     finally:
         with open(shard, "r+b") as f:
             f.write(original)
