@@ -106,21 +106,19 @@ def install(internals, make_lifespan, child_worker) -> None:
 
 
 def naming_model(response: dict, model_id) -> dict:
-    """A model process's error response whose text names its model: the host's own says only
-    "Failed to generate text response: ..." (the soak found such errors naming no model)."""
-    def named(text):
-        return text if not isinstance(text, str) or repr(model_id) in text else f"model {model_id!r}: {text}"
+    """A model process's error response whose texts name its model: the host's own say only
+    "Failed to generate text response: ..." (the soak found such errors naming no model). The
+    text sits under detail / message, or deeper under detail.error.message."""
+    def named(value):
+        if isinstance(value, str):
+            return value if repr(model_id) in value else f"model {model_id!r}: {value}"
+        if isinstance(value, dict):
+            return {k: named(v) if k in ("detail", "error", "message") else v for k, v in value.items()}
+        return value
 
-    out = dict(response)
     if model_id is None:
-        return out
-    for key in ("detail", "message"):
-        value = out.get(key)
-        if isinstance(value, dict) and isinstance(value.get("message"), str):
-            out[key] = {**value, "message": named(value["message"])}
-        elif isinstance(value, str):
-            out[key] = named(value)
-    return out
+        return dict(response)
+    return {k: named(v) if k in ("detail", "message") else v for k, v in response.items()}
 
 
 def host_worker():
