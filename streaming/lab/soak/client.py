@@ -70,7 +70,7 @@ def request(port: int, model: str, prompt: str, max_tokens: int, stream: bool, e
         if not stream:
             doc = json.loads(response.read())
             text = doc["choices"][0]["message"]["content"] or ""
-            return _compare(text, expected, t0)
+            return _compare(text, expected, t0, "plain")
         return _read_stream(response, model, expected, t0, deadline_s, disconnect_after_first)
     except (socket.timeout, TimeoutError):
         return Verdict(HANG, time.perf_counter() - t0, f"no answer within {deadline_s:.0f} s")
@@ -80,10 +80,10 @@ def request(port: int, model: str, prompt: str, max_tokens: int, stream: bool, e
         conn.close()
 
 
-def _compare(text: str, expected: str | None, t0: float) -> Verdict:
+def _compare(text: str, expected: str | None, t0: float, how: str) -> Verdict:
     if expected is not None and text == expected:
         return Verdict(EXACT, time.perf_counter() - t0)
-    return Verdict(WRONG, time.perf_counter() - t0, f"got {text!r}, stock {expected!r}")
+    return Verdict(WRONG, time.perf_counter() - t0, f"{how} answer {text!r}, stock {expected!r}")
 
 
 def _read_stream(response, model, expected, t0, deadline_s, disconnect_after_first) -> Verdict:
@@ -98,7 +98,7 @@ def _read_stream(response, model, expected, t0, deadline_s, disconnect_after_fir
         if data == "[DONE]":
             if errors:
                 break
-            return _compare(text, expected, t0)
+            return _compare(text, expected, t0, "streamed")
         chunk = json.loads(data)
         if "error" in chunk or ("message" in chunk and "choices" not in chunk):
             errors.append(error_text(data.encode()))
