@@ -381,7 +381,9 @@ def test_a_killed_model_process_is_detected_and_restarted(server, models):
 
 def test_an_error_while_generating_names_the_model(server, models):
     """A shard truncated under the loaded streamed model: the request fails naming the model (the
-    host's own text is "Failed to generate text response: ..."; the soak found it naming none)."""
+    host's own text is "Failed to generate text response: ..."; the soak found it naming none),
+    and once the shard is back, the same prompts answer like stock (the soak found the host's
+    prompt cache continuing from the failed generation's KV cache: wrong answers)."""
     import os
 
     host, path, port = server
@@ -401,6 +403,13 @@ def test_an_error_while_generating_names_the_model(server, models):
         with open(shard, "r+b") as f:
             f.write(original)
         os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # The shard is back as it was loaded (a short read does not stop the model): the prompts whose
+    # generations failed answer like stock, not from the half-updated KV cache the host kept.
+    for prompt in ("another prompt, other experts", "yet another prompt"):
+        for _ in range(2):
+            code, body = chat(host.base, "moe", prompt, 40)
+            if code == 200:
+                assert body["choices"][0]["message"]["content"] == stock_greedy(models["moe"], prompt, 40), prompt
     path.write_text(config_text(models, port, [("moe", "moe", 0.00006)]))  # a changed entry loads afresh
     assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
     assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)

@@ -121,6 +121,50 @@ def naming_model(response: dict, model_id) -> dict:
     return {k: named(v) if k in ("detail", "message") else v for k, v in response.items()}
 
 
+def drop_prompt_cache_on_errors() -> bool:
+    """In a streamed model's process. A generation that fails mid-step (a read error) leaves its
+    KV cache updated in some layers and not others, and the host keeps it (1.6.3 stores it in
+    its prompt cache in generate_text_stream's `finally`): a later request with the same prefix
+    continued from it and answered wrong (the soak found it). Empty the prompt cache whenever a
+    generation fails. False where this host version has no such methods (nothing patched)."""
+    import inspect
+
+    import app.handler.mlx_lm as handler_mlx_lm
+
+    handler = getattr(handler_mlx_lm, "MLXLMHandler", None)
+    stream = getattr(handler, "generate_text_stream", None)
+    response = getattr(handler, "generate_text_response", None)
+    if not (inspect.isasyncgenfunction(stream) and inspect.iscoroutinefunction(response)):
+        return False
+
+    def forget(self) -> None:
+        cache = getattr(self, "prompt_cache", None)
+        if callable(getattr(cache, "trim_to", None)):
+            cache.trim_to(n_sequences=0)
+
+    async def generate_text_stream(self, *args, **kwargs):
+        chunks = stream(self, *args, **kwargs)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception:
+            await chunks.aclose()  # the host's finally stores the cache first; then it goes
+            forget(self)
+            raise
+        finally:
+            await chunks.aclose()
+
+    async def generate_text_response(self, *args, **kwargs):
+        try:
+            return await response(self, *args, **kwargs)
+        except Exception:
+            forget(self)
+            raise
+
+    handler.generate_text_stream, handler.generate_text_response = generate_text_stream, generate_text_response
+    return True
+
+
 def host_worker():
     """The host's own model-process entry function (in a child, which never patched it)."""
     from app.core import handler_process
