@@ -413,3 +413,4 @@ def test_an_error_while_generating_names_the_model(server, models):
     path.write_text(config_text(models, port, [("moe", "moe", 0.00006)]))  # a changed entry loads afresh
     assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
     assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+

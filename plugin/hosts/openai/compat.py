@@ -125,8 +125,9 @@ def drop_prompt_cache_on_errors() -> bool:
     """In a streamed model's process. A generation that fails mid-step (a read error) leaves its
     KV cache updated in some layers and not others, and the host keeps it (1.6.3 stores it in
     its prompt cache in generate_text_stream's `finally`): a later request with the same prefix
-    continued from it and answered wrong (the soak found it). Empty the prompt cache whenever a
-    generation fails. False where this host version has no such methods (nothing patched)."""
+    continued from it and answered wrong (the soak found it). The same after a client leaves a
+    stream early: the cache stored holds tokens the client never got. Empty the prompt cache
+    whenever a generation does not finish. False where this host version has no such methods."""
     import inspect
 
     import app.handler.mlx_lm as handler_mlx_lm
@@ -143,21 +144,20 @@ def drop_prompt_cache_on_errors() -> bool:
             cache.trim_to(n_sequences=0)
 
     async def generate_text_stream(self, *args, **kwargs):
-        chunks = stream(self, *args, **kwargs)
+        chunks, finished = stream(self, *args, **kwargs), False
         try:
             async for chunk in chunks:
                 yield chunk
-        except Exception:
-            await chunks.aclose()  # the host's finally stores the cache first; then it goes
-            forget(self)
-            raise
-        finally:
-            await chunks.aclose()
+            finished = True
+        finally:  # failed, or the client left (its cache may hold tokens it never got)
+            await chunks.aclose()  # the host's own finally stores the cache first; then it goes
+            if not finished:
+                forget(self)
 
     async def generate_text_response(self, *args, **kwargs):
         try:
             return await response(self, *args, **kwargs)
-        except Exception:
+        except BaseException:  # an error, or the request cancelled
             forget(self)
             raise
 
