@@ -82,6 +82,7 @@ class HostSchema:
     top_level_check: Optional[Callable[[dict], Optional[str]]] = None  # top level -> what the host refuses
     context_key: Optional[str] = None  # the entry key of the host's own context length, if it has one
     one_model_at_a_time: bool = False  # the host holds one model at a time (else all of them at once)
+    unread_options: frozenset = frozenset()  # top-level options this host never reads: refused when set
 
 
 @dataclass
@@ -224,6 +225,10 @@ def load_host_config(path: str | Path, schema: HostSchema, *, check_models: bool
     path = Path(expand(str(path))).absolute()
     doc, text_hash = read_yaml(path)
     options = parse_options(path, doc.get(KEY))
+    unread = sorted(schema.unread_options & set(doc.get(KEY) or {} if isinstance(doc.get(KEY), dict) else ()))
+    if unread:
+        raise ConfigError(f"{path}: {KEY}: {', '.join(unread)} does nothing under {schema.name} (it has no "
+                          "request queue and no model drain of its own); remove it")
     top_level = {k: v for k, v in doc.items() if k not in (KEY, "models")}
     if schema.top_level_keys is not None:
         unknown = sorted(map(str, set(top_level) - schema.top_level_keys))

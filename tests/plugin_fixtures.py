@@ -36,31 +36,11 @@ def make_moe(root: Path, name: str = "moe", **overrides) -> Path:
 
 
 def make_dense(root: Path, name: str = "dense", seed: int = 0) -> Path:
-    """A tiny qwen3 (dense) checkpoint: mlx-lm's own model class, random weights, the synthetic
-    tokenizer. What `models: - model_path: small-dense` is in the design's example."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
+    """A tiny qwen3 (dense) checkpoint (the lab's generator): what `models: - model_path:
+    small-dense` is in the design's example."""
+    from expert_stream.streaming.lab.synthetic.dense import make_dense_checkpoint
 
-    from expert_stream.streaming.lab.synthetic.tokenizer import write_tokenizer
-
-    out = Path(root) / name
-    if (out / "config.json").exists():
-        return out
-    out.mkdir(parents=True)
-    vocab = 512
-    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-              "vocab_size": vocab, "max_position_embeddings": 2048, "rope_theta": 10000.0,
-              "tie_word_embeddings": True, "architectures": ["Qwen3ForCausalLM"]}
-    mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    ids = write_tokenizer(out, vocab)
-    config.update({"eos_token_id": ids.get("<|im_end|>", ids.get("<|endoftext|>"))} if isinstance(ids, dict) else {})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return make_dense_checkpoint(Path(root) / name, seed)
 
 
 def non_loopback_address():

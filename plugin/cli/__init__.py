@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "expert_stream.plugin.cli.lab.bench_command",    # bench
     "expert_stream.plugin.cli.trace_command",        # trace
     "expert_stream.plugin.cli.lab.policy_command",   # policy-eval
+    "expert_stream.plugin.cli.lab.soak_command",     # soak
 ]
 
 

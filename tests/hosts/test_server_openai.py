@@ -377,3 +377,42 @@ def test_a_killed_model_process_is_detected_and_restarted(server, models):
     after = scrape(host.base)
     assert_monotonic(before, counters_of(after, "moe"))
     assert after[("expert_stream_restarts_total", (("model", "moe"),))] == 1
+
+
+def test_an_error_while_generating_names_the_model(server, models):
+    """A shard truncated under the loaded streamed model: the request fails naming the model (the
+    host's own text is "Failed to generate text response: ..."; the soak found it naming none),
+    and once the shard is back, the same prompts answer like stock (the soak found the host's
+    prompt cache continuing from the failed generation's KV cache: wrong answers)."""
+    import os
+
+    host, path, port = server
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00005)]))
+    assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+    shard = next(models["moe"].glob("*.safetensors"))
+    original, stat = shard.read_bytes(), shard.stat()
+    try:
+        with open(shard, "r+b") as f:
+            f.truncate(len(original) // 2)
+        code, body = chat(host.base, "moe", "another prompt, other experts", 40)
+        assert code == 500 and "model 'moe': " in json.dumps(body) and "model.safetensors" in json.dumps(body), body
+        text, _, errors, _ = stream_chat(host.base, "moe", "yet another prompt", 40)
+        assert errors and "model 'moe': " in json.dumps(errors), (text, errors)
+    finally:
+        with open(shard, "r+b") as f:
+            f.write(original)
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # The shard is back as it was loaded (a short read does not stop the model): the prompts whose
+    # generations failed answer like stock, not from the half-updated KV cache the host kept.
+    for prompt in ("another prompt, other experts", "yet another prompt"):
+        for _ in range(2):
+            code, body = chat(host.base, "moe", prompt, 40)
+            if code == 200:
+                assert body["choices"][0]["message"]["content"] == stock_greedy(models["moe"], prompt, 40), prompt
+    path.write_text(config_text(models, port, [("moe", "moe", 0.00006)]))  # a changed entry loads afresh
+    assert http_json(host.base + "/expert-stream/reload", method="POST", timeout=900)[0] == 200
+    assert chat_text(host.base, "moe", PROMPT, 12) == stock_greedy(models["moe"], PROMPT, 12)
+
+
+

@@ -140,6 +140,23 @@ def test_mlx_lm_schema_refuses_host_keys_it_does_not_have(tmp_path):
         MLX_LM_SERVER.load_config(path, check_models=False)
 
 
+@pytest.mark.parametrize("option", ["drain_timeout_s: 5", "queue_timeout: 5"])
+def test_mlx_lm_refuses_options_it_would_ignore(tmp_path, option):
+    """mlx_lm.server has no request queue and no drain: the soak's invalid edits found these
+    accepted and silently ignored there."""
+    path = write(tmp_path, f"expert_stream: {{{option}}}\nmodels: [{{model_path: /x}}]")
+    key = option.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"expert_stream: {key} does nothing under mlx_lm.server"):
+        MLX_LM_SERVER.load_config(path, check_models=False)
+
+
+def test_mlx_lm_refuses_a_default_model_nobody_serves(tmp_path):
+    """Checked in load_config, so a reload refuses it too (it was checked at start only)."""
+    path = write(tmp_path, "default_model: nobody\nmodels: [{model_path: /x, served_model_name: a}]")
+    with pytest.raises(ConfigError, match="default_model 'nobody' is not the served_model_name of any entry"):
+        MLX_LM_SERVER.load_config(path, check_models=False)
+
+
 def test_file_watcher_debounces_and_ignores_nothing(tmp_path):
     path = tmp_path / "f.yaml"
     path.write_text("a: 1")

@@ -86,9 +86,13 @@ def requested_model(args, kwargs):
     return getattr(getattr(generation_args, "model", None), "model", None)
 
 
-def patch_handler(Handler, on_get, on_post, on_options) -> None:
+def patch_handler(Handler, on_get, on_post, on_options, on_post_error) -> None:
     """APIHandler's do_GET, do_POST and do_OPTIONS first offer the request to `on_*(handler)`,
-    which answers it and returns True, or returns False: the host's own method answers."""
+    which answers it and returns True, or returns False: the host's own method answers. An
+    exception out of the host's do_POST (mlx_lm.server lets body checks and errors raised while
+    it generates escape, and the client sees the connection close) goes to
+    `on_post_error(handler, exc, started, stream, body)`: `started` when the response's headers
+    went out, `stream` and `body` as the host parsed them (None before it did)."""
     original_get, original_post, original_options = Handler.do_GET, Handler.do_POST, Handler.do_OPTIONS
 
     def do_GET(self):
@@ -96,8 +100,21 @@ def patch_handler(Handler, on_get, on_post, on_options) -> None:
             original_get(self)
 
     def do_POST(self):
-        if not on_post(self):
+        if on_post(self):
+            return
+        sent = []
+
+        def end_headers():  # on the instance: the class's own still runs
+            sent.append(True)
+            Handler.end_headers(self)
+
+        self.end_headers = end_headers
+        try:
             original_post(self)
+        except Exception as exc:
+            if not sent:  # a status line still buffered (a plain answer's 200) is dropped: http.server's buffer
+                self._headers_buffer = []
+            on_post_error(self, exc, bool(sent), getattr(self, "stream", False), getattr(self, "body", None))
 
     def do_OPTIONS(self):
         if not on_options(self):

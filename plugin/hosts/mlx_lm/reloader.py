@@ -9,6 +9,7 @@ flight finishes on the old model and the next one waits for the load, never refu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -85,8 +86,24 @@ class LmServerState:
         compat.patch_provider(self.internals.Provider, self._provider_made, self._before_load, self._dropping,
                               self._loaded)
         compat.wrap_generate(self.internals.ResponseGenerator,  # errors reach clients as text; requests counted
-                             lambda generate: redacting_calls(self.requests.counting(generate, compat.requested_model)))
+                             lambda generate: redacting_calls(self._naming_model(
+                                 self.requests.counting(generate, compat.requested_model))))
         patch_handler(self)
+
+    def _naming_model(self, generate):
+        """Errors of `generate` (a load that failed: a shard truncated, a folder gone) reach the
+        client naming the model they asked for; the soak found them naming a shard only."""
+        @functools.wraps(generate)
+        def named(*args, **kwargs):
+            try:
+                return generate(*args, **kwargs)
+            except Exception as exc:
+                name = self._served_name(compat.requested_model(args, kwargs)) or compat.requested_model(args, kwargs)
+                if name is None or repr(name) in str(exc):
+                    raise
+                raise RuntimeError(f"model {name!r}: {exc}") from exc
+
+        return named
 
     def _provider_made(self, provider, cli_args) -> None:
         self.provider = provider
@@ -99,8 +116,13 @@ class LmServerState:
         refuse_streamed_draft(draft, "the request's draft model")
         hold_draft(draft)
         with self.lock:
-            if model_path in self.removed and model_path not in self.aliases():
+            aliases = self.aliases()
+            if model_path in self.removed and model_path not in aliases:
                 raise ValueError(f"model {model_path!r} was removed from {self.config.path}")
+            if model_path not in (None, "", "default_model", *aliases, *aliases.values()):
+                # mlx_lm.server would take any other name for a Hugging Face repo and download
+                # it; this server serves its config (the host answers this with a 404).
+                raise ValueError(f"model {model_path!r} is not served here; served: {', '.join(aliases)}")
             loaded = compat.loaded_folder(provider)
             if loaded is not None and str(Path(loaded).resolve()) in self.stale:
                 self.stale.discard(str(Path(loaded).resolve()))

@@ -6,15 +6,29 @@ and a /v1/models that lists the configured served names (the host's lists the Hu
 from __future__ import annotations
 
 import json
+import logging
 
 from expert_stream.plugin.endpoint_guard import refusal
 from expert_stream.plugin.hosts import operator_view
 from expert_stream.plugin.hosts.mlx_lm import compat
-from expert_stream.plugin.redact import redact_errors
+from expert_stream.plugin.redact import redact, redact_errors
+from expert_stream.streaming.errors import ExpertStreamError
+
+log = logging.getLogger("expert_stream")
 
 STATUS_PATH = "/expert-stream/status"
 RELOAD_PATH = "/expert-stream/reload"
 MODELS_PATH = "/v1/models"
+
+
+def send(handler, status: int, body: bytes, headers: dict) -> None:
+    handler.send_response(status)
+    for name, value in headers.items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+    handler.wfile.flush()
 
 
 def patch_handler(state) -> None:
@@ -23,15 +37,6 @@ def patch_handler(state) -> None:
 
     def reply(handler, status: int, payload: dict) -> None:
         send(handler, status, json.dumps(payload).encode(), {"Content-type": "application/json"})
-
-    def send(handler, status: int, body: bytes, headers: dict) -> None:
-        handler.send_response(status)
-        for name, value in headers.items():
-            handler.send_header(name, value)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-        handler.wfile.flush()
 
     def refused(handler, path) -> bool:
         # client_address is the socket's peer; see endpoint_guard for the rest.
@@ -63,7 +68,11 @@ def patch_handler(state) -> None:
     def on_post(handler) -> bool:
         if handler.path.split("?")[0] != RELOAD_PATH:
             return False
-        if not refused(handler, RELOAD_PATH):
+        if refused(handler, RELOAD_PATH):
+            return True
+        if not state.config.options.reload_endpoint:
+            reply(handler, 403, {"error": "the reload endpoint is off (expert_stream.reload_endpoint: false)"})
+        else:
             result = state.reload("endpoint")
             reply(handler, 200 if result["ok"] else 422, redact_errors(result))
         return True
@@ -75,4 +84,34 @@ def patch_handler(state) -> None:
         reply(handler, 403, {"error": "the control endpoints do not answer web pages"})
         return True
 
-    compat.patch_handler(state.internals.APIHandler, on_get, on_post, on_options)
+    compat.patch_handler(state.internals.APIHandler, on_get, on_post, on_options, answer_error)
+
+
+def answer_error(handler, exc: Exception, started: bool, stream: bool, body) -> None:
+    """An error that escaped mlx_lm.server's request handling reaches the client naming the
+    model and why (a status and a JSON body, or an error event in a stream that has begun),
+    instead of a connection closed without a word; a client that went away gets nothing."""
+    if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+        return
+    model = body.get("model") if isinstance(body, dict) else None
+    name = model if isinstance(model, str) else "default_model"
+    message = str(exc) or type(exc).__name__
+    if repr(name) not in message:
+        message = f"model {name!r}: {message}"
+    log.error("expert-stream: request failed: %s", message)
+    message = redact(message)
+    try:
+        if not started:
+            code = 400 if _bad_body(exc) and not isinstance(exc, ExpertStreamError) else 500
+            send(handler, code, json.dumps({"error": message}).encode(), {"Content-type": "application/json"})
+        elif stream:
+            event = json.dumps({"error": {"message": message, "type": "server_error"}})
+            handler.wfile.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+            handler.wfile.flush()
+    except OSError:
+        pass  # the client went away meanwhile
+
+
+def _bad_body(exc: Exception) -> bool:
+    """The host's checks of a request body raise these before anything is generated."""
+    return isinstance(exc, (ValueError, AssertionError, TypeError, KeyError, UnicodeDecodeError))

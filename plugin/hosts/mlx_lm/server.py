@@ -63,11 +63,13 @@ class MlxLmServerHost:
             name=self.name, version=version,
             entry_keys=frozenset({"model_path", "served_model_name", "model_id", "adapter_path", "trust_remote_code"}),
             id_key="served_model_name", top_level_keys=frozenset({"default_model"}), one_model_at_a_time=True,
+            unread_options=frozenset({"drain_timeout_s", "queue_timeout"}),
         )
 
     def load_config(self, path, internals=None, **kw) -> HostConfig:
         config = load_host_config(path, self.schema(internals), **kw)
         _check_unique_folders(config)
+        _check_default_model(config)
         return config
 
     def serve(self, config_path: str, host_args: list[str]) -> int:
@@ -86,8 +88,6 @@ class MlxLmServerHost:
         else:
             refuse_tensor_parallel(internals)
         default = config.top_level.get("default_model") or config.entries[0].model_id
-        if default not in config.by_id():
-            raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
         _check_draft_flag(host_args, config)
         argv = list(host_args)
         if "--model" not in argv:
@@ -164,6 +164,13 @@ def _check_unique_folders(config: HostConfig) -> None:
             raise ConfigError(f"{config.path}: models[{entry.index}] ({entry.model_id}) streams the same folder as "
                               f"{seen[key]}; mlx_lm.server keys models by folder, keep one entry per folder")
         seen[key] = entry.model_id
+
+
+def _check_default_model(config: HostConfig) -> None:
+    """At start and at every reload (the soak found a reload taking a default_model nobody serves)."""
+    default = config.top_level.get("default_model")
+    if default is not None and default not in config.by_id():
+        raise ConfigError(f"{config.path}: default_model {default!r} is not the served_model_name of any entry")
 
 
 MLX_LM_SERVER = MlxLmServerHost()

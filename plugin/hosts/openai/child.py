@@ -9,6 +9,8 @@ settings (dense, or not streamed) gets no interception."""
 
 from __future__ import annotations
 
+import logging
+
 KEY = "expert_stream"
 
 
@@ -23,6 +25,10 @@ def child_worker(model_cfg_dict, queue_config, *rest):
     from expert_stream.plugin.hosts.openai import live_counters
 
     interception.install()
+    if not compat.drop_prompt_cache_on_errors():
+        logging.getLogger("expert_stream").warning(
+            "expert-stream: %s: this mlx-openai-server keeps no prompt cache the plugin knows; a failed "
+            "generation's cache is left to the host", stream["model_id"])
     interception.set_targets({stream["model_path"]: _target(stream)})
     compat.add_handler_methods(expert_stream_stats=_expert_stream_stats,
                                expert_stream_set_budget=_expert_stream_set_budget)

@@ -96,8 +96,73 @@ def install(internals, make_lifespan, child_worker) -> None:
     from expert_stream.plugin.redact import redacting
 
     internals.handler_process._handler_worker = child_worker
-    internals.Proxy._raise_remote_error = staticmethod(redacting(internals.Proxy._raise_remote_error))
+    raise_redacted = redacting(internals.Proxy._raise_remote_error)
+
+    def raise_remote_error(self, response):  # called as self._raise_remote_error: the proxy's model
+        return raise_redacted(naming_model(response, getattr(self, "model_id", None)))
+
+    internals.Proxy._raise_remote_error = raise_remote_error
     internals.server.create_multi_lifespan = make_lifespan
+
+
+def naming_model(response: dict, model_id) -> dict:
+    """A model process's error response whose texts name its model: the host's own say only
+    "Failed to generate text response: ..." (the soak found such errors naming no model). The
+    text sits under detail / message, or deeper under detail.error.message."""
+    def named(value):
+        if isinstance(value, str):
+            return value if repr(model_id) in value else f"model {model_id!r}: {value}"
+        if isinstance(value, dict):
+            return {k: named(v) if k in ("detail", "error", "message") else v for k, v in value.items()}
+        return value
+
+    if model_id is None:
+        return dict(response)
+    return {k: named(v) if k in ("detail", "message") else v for k, v in response.items()}
+
+
+def drop_prompt_cache_on_errors() -> bool:
+    """In a streamed model's process. A generation that fails mid-step (a read error) leaves its
+    KV cache updated in some layers and not others, and the host keeps it (1.6.3 stores it in
+    its prompt cache in generate_text_stream's `finally`): a later request with the same prefix
+    continued from it and answered wrong (the soak found it). The same after a client leaves a
+    stream early: the cache stored holds tokens the client never got. Empty the prompt cache
+    whenever a generation does not finish. False where this host version has no such methods."""
+    import inspect
+
+    import app.handler.mlx_lm as handler_mlx_lm
+
+    handler = getattr(handler_mlx_lm, "MLXLMHandler", None)
+    stream = getattr(handler, "generate_text_stream", None)
+    response = getattr(handler, "generate_text_response", None)
+    if not (inspect.isasyncgenfunction(stream) and inspect.iscoroutinefunction(response)):
+        return False
+
+    def forget(self) -> None:
+        cache = getattr(self, "prompt_cache", None)
+        if callable(getattr(cache, "trim_to", None)):
+            cache.trim_to(n_sequences=0)
+
+    async def generate_text_stream(self, *args, **kwargs):
+        chunks, finished = stream(self, *args, **kwargs), False
+        try:
+            async for chunk in chunks:
+                yield chunk
+            finished = True
+        finally:  # failed, or the client left (its cache may hold tokens it never got)
+            await chunks.aclose()  # the host's own finally stores the cache first; then it goes
+            if not finished:
+                forget(self)
+
+    async def generate_text_response(self, *args, **kwargs):
+        try:
+            return await response(self, *args, **kwargs)
+        except BaseException:  # an error, or the request cancelled
+            forget(self)
+            raise
+
+    handler.generate_text_stream, handler.generate_text_response = generate_text_stream, generate_text_response
+    return True
 
 
 def host_worker():
