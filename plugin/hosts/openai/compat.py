@@ -99,7 +99,7 @@ def install(internals, make_lifespan, child_worker) -> None:
     raise_redacted = redacting(internals.Proxy._raise_remote_error)
 
     def raise_remote_error(self, response):  # called as self._raise_remote_error: the proxy's model
-        return raise_redacted(naming_model(response, getattr(self, "model_id", None)))
+        return raise_redacted(naming_model(response, getattr(self, internals.proxy_id_param, None)))
 
     internals.Proxy._raise_remote_error = raise_remote_error
     internals.server.create_multi_lifespan = make_lifespan
