@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from expert_stream.streaming.lab.soak.host_process import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 # Engine settings every test config adds to its streamed entries.
@@ -125,6 +126,39 @@ def assert_monotonic(before: dict, after: dict) -> None:
     assert not fell, f"counters that fell or vanished: {fell}"
 
 
+def scrapes_around_a_request(base: str, model: str, prompt: str, settle_s: float = 0.0) -> tuple[dict, dict]:
+    """Scrapes around one streamed request: the first once it streams (one request in flight),
+    a second once its decode tokens grew (no counter fell), the last `settle_s` after it finished
+    (a model process writes its counters on a period). Returns (first, last)."""
+    import threading
+
+    started, result = threading.Event(), {}
+    client = threading.Thread(target=lambda: result.setdefault(
+        "out", stream_chat(base, model, prompt, 400, on_first=started.set)))
+    client.start()
+    assert started.wait(120)
+    labels = (("model", model),)
+    first = scrape(base)
+    assert first[("expert_stream_requests_in_flight", labels)] == 1
+    second = wait_for(lambda: (m := scrape(base))[("expert_stream_decode_tokens_total", labels)] >
+                      first[("expert_stream_decode_tokens_total", labels)] and m, timeout=60, interval=0.2,
+                      what="decode tokens to grow during the request")
+    assert_monotonic(counters_of(first, model), counters_of(second, model))
+    client.join(300)
+    assert result["out"][3], "the request did not finish"
+    time.sleep(settle_s)
+    last = scrape(base)
+    assert last[("expert_stream_requests_in_flight", labels)] == 0
+    return first, last
+
+
+def assert_metrics_are_status_counters(metrics: dict, counters: dict, model: str) -> None:
+    """The scrape's cache and decode counters are the status endpoint's."""
+    for counter, name in (("hits", "expert_hits"), ("misses", "expert_misses"), ("bytes_read", "read_bytes"),
+                          ("decode_tokens", "decode_tokens")):
+        assert metrics[(f"expert_stream_{name}_total", (("model", model),))] == counters[counter], counter
+
+
 def chat(base: str, model: str, prompt: str = "hello", max_tokens: int = 12) -> tuple[int, dict]:
     return http_json(base + "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": prompt}],
@@ -217,12 +251,7 @@ class HostProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            stop_process_group(self.process)
         self._log.close()
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
+    ENGINE_SETTINGS, HostProcess, assert_metrics_are_status_counters, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
     expert_stream_argv, free_port, http_json, http_status, make_dense, make_moe, non_loopback_address, scrape, stock_greedy,
-    stream_chat, wait_for,
+    scrapes_around_a_request, stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -78,26 +78,10 @@ def test_metrics_while_a_request_runs(server):
     """Issue 27: a scrape parsed by prometheus_client's parser while a request streams: it runs,
     and its decode tokens grow from one scrape to the next (mlx_lm.server serves in this process)."""
     host, _, _, _ = server
-    started, result = threading.Event(), {}
-    client = threading.Thread(target=lambda: result.setdefault(
-        "out", stream_chat(host.base, "moe", PROMPT, 400, on_first=started.set)))
-    client.start()
-    assert started.wait(120)
-    moe = (("model", "moe"),)
-    first = scrape(host.base)
-    assert first[("expert_stream_requests_in_flight", moe)] == 1
-    second = wait_for(lambda: (m := scrape(host.base))[("expert_stream_decode_tokens_total", moe)] >
-                      first[("expert_stream_decode_tokens_total", moe)] and m, timeout=60, interval=0.2,
-                      what="decode tokens to grow during the request")
-    assert_monotonic(counters_of(first, "moe"), counters_of(second, "moe"))
-    client.join(300)
-    assert result["out"][3], "the request did not finish"
-    after = scrape(host.base)
+    _, after = scrapes_around_a_request(host.base, "moe", PROMPT)
     status = http_json(host.base + "/expert-stream/status")[1]["models"]["moe"]
-    assert after[("expert_stream_requests_in_flight", moe)] == 0
-    for counter, name in (("hits", "expert_hits"), ("misses", "expert_misses"), ("bytes_read", "read_bytes"),
-                          ("decode_tokens", "decode_tokens")):
-        assert after[(f"expert_stream_{name}_total", moe)] == status["counters"][counter], counter
+    assert_metrics_are_status_counters(after, status["counters"], "moe")
+    moe = (("model", "moe"),)
     assert after[("expert_stream_slots", moe)] == 6 and after[("expert_stream_budget_bytes", moe)] == round(0.00005 * 2**30)
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from plugin_fixtures import (
-    ENGINE_SETTINGS, HostProcess, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
+    ENGINE_SETTINGS, HostProcess, assert_metrics_are_status_counters, assert_monotonic, chat, chat_text, control_endpoint_refusals, counters_of,
     expert_stream_argv, free_port, http_json, make_dense, make_moe, needs_openai_server, scrape, stock_greedy,
-    stream_chat, wait_for,
+    scrapes_around_a_request, stream_chat, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -84,33 +84,15 @@ def test_metrics_while_a_request_runs(server):
     process answers the parent's RPC only between requests; its counters reach the parent through
     shared memory, so they grow while it generates."""
     host, _, _ = server
-    started, result = threading.Event(), {}
-    client = threading.Thread(target=lambda: result.setdefault(
-        "out", stream_chat(host.base, "moe", PROMPT, 400, on_first=started.set)))
-    client.start()
-    assert started.wait(120)
-    moe = (("model", "moe"),)
-    first = scrape(host.base)
-    assert first[("expert_stream_requests_in_flight", moe)] == 1
+    first, after = scrapes_around_a_request(host.base, "moe", PROMPT, settle_s=1.0)  # counters: every 0.5 s
     assert first[("expert_stream_model_state", (("model", "dense"), ("state", "ready")))] == 1
-    second = wait_for(lambda: (m := scrape(host.base))[("expert_stream_decode_tokens_total", moe)] >
-                      first[("expert_stream_decode_tokens_total", moe)] and m, timeout=60, interval=0.2,
-                      what="decode tokens to grow during the request")
-    assert_monotonic(counters_of(first, "moe"), counters_of(second, "moe"))
-    client.join(300)
-    assert result["out"][3], "the request did not finish"
-    time.sleep(1.0)  # the process writes its counters every half second
-    after = scrape(host.base)
     status = http_json(host.base + "/expert-stream/status")[1]
     moe_status = status["models"]["moe"]
-    assert after[("expert_stream_requests_in_flight", moe)] == 0
-    for counter, name in (("hits", "expert_hits"), ("misses", "expert_misses"), ("bytes_read", "read_bytes"),
-                          ("decode_tokens", "decode_tokens")):
-        assert after[(f"expert_stream_{name}_total", moe)] == moe_status["counters"][counter], counter
+    assert_metrics_are_status_counters(after, moe_status["counters"], "moe")
     # One process served the model since start: its counters are the handle's own.
     assert moe_status["counters"]["hits"] == moe_status["stats"]["totals"]["hits"]
     assert moe_status["counters"]["decode_tokens"] == moe_status["stats"]["decode"]["tokens"]
-    assert moe_status["memory"]["rss_bytes"] > 0 and after[("expert_stream_restarts_total", moe)] == 0
+    assert moe_status["memory"]["rss_bytes"] > 0 and after[("expert_stream_restarts_total", (("model", "moe"),))] == 0
     # The terminal's view of the same document.
     from expert_stream.plugin.cli.status_command import frame
 

@@ -128,11 +128,17 @@ class HostUnderSoak:
 
     def stop(self) -> None:
         if self.alive():
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            stop_process_group(self.process)
         if self._log:
             self._log.close()
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a host started in its own process group as Ctrl-C would (its children too), killing
+    the group when it does not exit within `grace_s`."""
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
