@@ -21,7 +21,7 @@ import yaml
 from expert_stream.plugin import yaml_limits
 from expert_stream.plugin.admission import AdmissionError, admit
 from expert_stream.plugin.endpoint_guard import allow_list
-from expert_stream.plugin.paths import expand, is_folder, looks_like_hub_id, resolve_model_path
+from expert_stream.plugin.paths import checkpoint_bytes, expand, is_folder, looks_like_hub_id, resolve_model_path
 from expert_stream.streaming.auto_budget import HEADROOM_GIB
 from expert_stream.streaming.errors import ExpertStreamError, SettingsError
 from expert_stream.streaming.settings import StreamSettings, refuse_removed
@@ -364,12 +364,7 @@ def _check_model(where: str, entry: ModelEntry) -> None:
     from expert_stream.streaming.load_checks import check_budget, check_checkpoint
 
     model_dir = Path(entry.model_path).expanduser()
-    draft = entry.host_entry.get("draft_model_path")
-    if isinstance(draft, str) and draft and is_folder(Path(draft).expanduser()):
-        try:
-            entry.draft_bytes = CheckpointIndex(Path(draft).expanduser()).total_bytes()
-        except ExpertStreamError:
-            entry.draft_bytes = 0  # the host will say what is wrong with it
+    entry.draft_bytes = checkpoint_bytes(entry.host_entry.get("draft_model_path"))
     if not entry.streamed:
         if is_folder(model_dir):
             try:

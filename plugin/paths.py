@@ -57,3 +57,18 @@ def resolve_model_path(value: str) -> str:
         return snapshot_download(path, local_files_only=True, cache_dir=cache)
     except (LocalEntryNotFoundError, ValueError, OSError):
         return path
+
+
+def checkpoint_bytes(value) -> int:
+    """Bytes of the safetensors of a local checkpoint folder (a model loaded whole beside the
+    streamed ones: a draft), or 0 for anything else: a hub id, an unreadable folder (the host
+    says what is wrong with it)."""
+    from expert_stream.streaming.checkpoint import CheckpointIndex
+    from expert_stream.streaming.errors import ExpertStreamError
+
+    if not isinstance(value, str) or not value or not is_folder(Path(value).expanduser()):
+        return 0
+    try:
+        return CheckpointIndex(Path(value).expanduser()).total_bytes()
+    except ExpertStreamError:
+        return 0

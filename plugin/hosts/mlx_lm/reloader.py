@@ -283,19 +283,11 @@ class LmServerState:
 
 
 def hold_draft(draft) -> None:
-    """The draft loads whole beside the model about to load: an auto budget counts it (a hub id
-    or an unreadable folder counts nothing; mlx_lm.server will say what is wrong with it)."""
+    """The draft loads whole beside the model about to load: an auto budget counts it."""
+    from expert_stream.plugin.paths import checkpoint_bytes
     from expert_stream.streaming.auto_budget import LEDGER
-    from expert_stream.streaming.checkpoint import CheckpointIndex
-    from expert_stream.streaming.errors import ExpertStreamError
 
-    nbytes = 0
-    if draft and Path(str(draft)).expanduser().is_dir():
-        try:
-            nbytes = CheckpointIndex(Path(str(draft)).expanduser()).total_bytes()
-        except ExpertStreamError:
-            pass
-    LEDGER.hold_stock("draft model", nbytes)
+    LEDGER.hold_stock("draft model", checkpoint_bytes(None if draft is None else str(draft)))
 
 
 def refuse_streamed_draft(draft, where: str) -> None:
