@@ -84,6 +84,7 @@ class ResidentPath:
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         self.store.count_resident_call()
+        self.store.record(indices)
         return self.compute(x, self.store.device_slots(indices))
 
 

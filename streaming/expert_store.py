@@ -25,6 +25,9 @@ from .slots import ExpertSlots
 
 log = logging.getLogger("expert_stream")
 
+# Outputs a layer keeps pinned before it evaluates the older ones (ExpertStore.pin).
+PIN_BOUND = 4
+
 
 class PendingReads:
     """Reads of `experts` into `slots` of `target`, running on the reader's threads."""
@@ -57,8 +60,14 @@ class ExpertStore:
     # -- pins ---------------------------------------------------------------------------------
     def pin(self, outputs) -> None:
         """Outputs computing from this layer's slots, not known to be evaluated: no read may
-        overwrite those slots before they are (`settle`)."""
+        overwrite those slots before they are (`settle`). Bounded: past PIN_BOUND the older
+        ones are evaluated and let go (in decode they already are, after the routing sync: an
+        eval of evaluated arrays costs about a microsecond), so calls that all hit hold no
+        outputs (and their memory) without end."""
         self.pending.extend(outputs)
+        if len(self.pending) > PIN_BOUND:
+            mx.eval(self.pending[:-1])
+            self.pending = self.pending[-1:]
 
     def unpin(self) -> None:
         """The caller evaluated every pinned output."""
@@ -98,16 +107,17 @@ class ExpertStore:
     def count_skipped(self, misses: int) -> None:
         self.cache.stats.skipped_misses += misses
 
-    def record(self, ids: np.ndarray) -> None:
-        """A call's routing, for the trace recorder while the handle records."""
+    def record(self, ids) -> None:
+        """A call's routing (numpy, or the device's indices), for the recorder while the handle
+        records."""
         if self.recorder is not None:
             self.recorder.add(self.position, ids)
 
     # -- slots --------------------------------------------------------------------------------
     def on_device(self) -> bool:
         """Whether a call can map ids to slots on the device, with no sync: every expert of the
-        layer sits in a slot (its table no longer changes) and no recorder needs the ids."""
-        return self.cache.holds_all() and self.recorder is None
+        layer sits in a slot (its table no longer changes)."""
+        return self.cache.holds_all()
 
     def slots_for(self, ids: np.ndarray) -> mx.array:
         """Slot numbers of resident experts `ids`, as an MLX index array."""

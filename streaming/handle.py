@@ -121,7 +121,8 @@ class StreamHandle:
     def recording(self):
         """Record the routing of every streamed layer while the block runs:
         `with handle.recording() as rec: ...; rec.trace()`."""
-        recorder = TraceRecorder([s.name for s in self.streams], self.streams[0].cache.num_experts)
+        num_experts = self.streams[0].cache.num_experts if self.streams else 0
+        recorder = TraceRecorder([s.name for s in self.streams], num_experts)
         for position, s in enumerate(self.streams):
             s.recorder, s.position = recorder, position
         try:

@@ -23,8 +23,9 @@ class TraceRecorder:
     def __init__(self, layer_names: list[str], num_experts: int):
         self.layer_names = layer_names
         self.num_experts = num_experts
-        self._pass: dict[int, np.ndarray] = {}
+        self._pass: dict[int, object] = {}
         self._blocks: list[np.ndarray] = []
+        self._unread: list[list] = []  # whole passes whose ids may still be on the device
         self._phase: list[np.ndarray] = []
         self._seq_start: list[int] = [0]
         self._tokens = 0
@@ -34,16 +35,26 @@ class TraceRecorder:
         """Tokens recorded so far (whole forward passes)."""
         return self._tokens
 
-    def add(self, layer: int, ids: np.ndarray) -> None:
-        """Layer `layer` (position among streamed layers) routed ids of shape (..., top_k)."""
-        self._pass[layer] = ids.reshape(-1, ids.shape[-1]).astype(np.int16)
+    def add(self, layer: int, ids) -> None:
+        """Layer `layer` (position among streamed layers) routed ids of shape (..., top_k): a numpy
+        array, or an MLX array a layer left on the device. Those are read two passes later, when
+        decode (one step evaluated ahead) has computed them, so that recording adds no sync."""
+        self._pass[layer] = ids
         if len(self._pass) == len(self.layer_names):
-            block = np.stack([self._pass[i] for i in range(len(self.layer_names))], axis=1)
+            rows = [self._pass[i] for i in range(len(self.layer_names))]
             self._pass = {}
-            self._blocks.append(block)
+            self._unread.append(rows)
+            tokens = rows[0].size // rows[0].shape[-1]
             # A pass of one token is a decode step; more tokens are a prefill chunk.
-            self._phase.append(np.full(block.shape[0], 1 if block.shape[0] == 1 else 0, np.uint8))
-            self._tokens += block.shape[0]
+            self._phase.append(np.full(tokens, 1 if tokens == 1 else 0, np.uint8))
+            self._tokens += tokens
+            self._read(keep=2)
+
+    def _read(self, keep: int = 0) -> None:
+        """Bring all but the latest `keep` passes' ids to the host."""
+        while len(self._unread) > keep:
+            rows = self._unread.pop(0)
+            self._blocks.append(np.stack([np.asarray(r).reshape(-1, r.shape[-1]).astype(np.int16) for r in rows], axis=1))
 
     def new_sequence(self) -> None:
         """The next tokens start a new request (an unrelated document or conversation)."""
@@ -51,6 +62,7 @@ class TraceRecorder:
             self._seq_start.append(self._tokens)
 
     def trace(self, name: str = "recorded", meta: dict | None = None) -> RoutingTrace:
+        self._read()
         if not self._blocks:
             raise ValueError("nothing was recorded: run the model while recording")
         return RoutingTrace(

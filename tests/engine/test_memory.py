@@ -57,3 +57,31 @@ def test_peak_rss_below_trunk_plus_budget(checkpoints):
     assert fp.expert_bytes > 10 * budget  # experts are many times the budget
     assert r["misses"] > 0 and r["bytes_read"] > budget  # it really streamed
     assert grown < fp.trunk_bytes + budget + MARGIN_BYTES
+
+
+def test_mostly_hit_decode_holds_a_bounded_number_of_outputs(checkpoints):
+    """A long decode whose experts nearly all hit: each layer keeps at most PIN_BOUND outputs
+    pinned (they once piled up until the layer's next miss: memory that grew with the session),
+    and the logits stay bitwise stock's while pins are let go."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from exactness import load_pair, prompt_ids
+    from expert_stream.streaming.expert_store import PIN_BOUND
+
+    path = checkpoints("qwen3_moe", layers=2)
+    experts = checkpoint_footprint(path).num_experts[0]
+    stock, streamed, handle = load_pair(path, slots=experts - 2, prefetch=False, online_budget=False)
+    c1, c2 = make_prompt_cache(stock), make_prompt_cache(streamed)
+    token = prompt_ids(8)
+    most = 0
+    for _ in range(120):
+        a, b = stock(token, cache=c1), streamed(token, cache=c2)
+        token = mx.argmax(b[:, -1:], axis=-1)
+        mx.async_eval(token)  # decode's one step ahead
+        assert mx.array_equal(a, b).item()
+        most = max(most, max(len(s.pending) for s in handle.streams))
+    totals = handle.stats()["totals"]
+    assert totals["hits"] > 10 * totals["misses"]  # mostly hits: the case that piled up
+    assert most <= PIN_BOUND
+    handle.close()

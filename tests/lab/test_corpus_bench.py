@@ -76,6 +76,19 @@ def test_teacher_forced_lookahead_counts_and_stays_exact(capsys):
 
 
 @needs_tiny
+def test_every_expert_resident_runs_exact_with_no_sync(capsys):
+    """A budget that holds every expert: the bench runs (it crashed on an empty recording once),
+    bitwise stock, and the decode makes no host sync (recording routing adds none)."""
+    experts = checkpoint_footprint(TINY).num_experts[0]
+    r = _bench(capsys, "--corpus", str(REPO / "streaming" / "slots.py"), "--stock", "yes", "--set", "prefetch=false",
+               slots=experts)
+    e = r["exactness"]
+    assert e["checked"] and e["steps_equal"] == e["steps_compared"] == 6
+    assert r["misses"] == 0
+    assert r["reads"]["syncs_per_token"] == 0
+
+
+@needs_tiny
 def test_variant_series_prints_both_and_ratios(capsys):
     r = _bench(capsys, "--corpus", str(REPO / "streaming" / "lookahead.py"), "--stock", "no",
                "--variant", "off:prefetch=false", "--variant", "on:prefetch=true", prompt=4, gen=5)
