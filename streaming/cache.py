@@ -85,6 +85,7 @@ class ExpertCache:
         self.step = 0
         self.version = 0  # bumped whenever the expert -> slot table changes
         self.last_needed = np.empty(0, dtype=np.int64)  # experts of the latest access
+        self._decided = None  # (placed, victims) of the latest admitted(), for the place() after it
 
     def resident(self, experts: np.ndarray) -> np.ndarray:
         """Bool mask: which of `experts` sit in a slot now."""
@@ -94,6 +95,7 @@ class ExpertCache:
         """Record one call that uses the unique experts `needed`; return the ones missing."""
         self.step += 1
         self.last_needed = needed
+        self._decided = None
         self.stats.calls += 1
         self.policy.on_access(needed, self.step)
         if self.curve is not None:
@@ -120,7 +122,9 @@ class ExpertCache:
         guard = among(resident, protected, self.num_experts)
         if int((~guard).sum()) < missing.size - free:
             return missing  # place() refuses it with the counts
-        return placed_misses(self.policy, missing, free, resident, guard)[0]
+        placed, victims = placed_misses(self.policy, missing, free, resident, guard)
+        self._decided = (placed, victims)  # place() evicts these for them: one decision a call
+        return placed
 
     def holds_all(self) -> bool:
         """Every expert of the layer sits in a slot: the table cannot change any more."""
@@ -130,6 +134,7 @@ class ExpertCache:
         """Reserve a slot for each of `experts` (not resident, not being read), evicting others
         but never an expert in `protected`; return the slots, aligned with `experts`. The caller
         reads the bytes into them, then calls `claim` (or `release` if the read failed)."""
+        decided, self._decided = self._decided, None
         reading = among(experts, self.incoming, self.num_experts)
         if reading.any():
             raise RuntimeError(f"experts {experts[reading].tolist()} are already being read")
@@ -147,7 +152,10 @@ class ExpertCache:
                     f"cannot place {len(experts)} experts: {self.num_slots} slots, "
                     f"{int(guard.sum())} protected, {int((self.incoming != EMPTY).sum())} being read"
                 )
-            victims = np.asarray(self.policy.choose_victims(resident, need, guard), dtype=np.int32)
+            if decided is not None and decided[1].size == need and np.array_equal(decided[0], experts):
+                victims = decided[1].astype(np.int32)
+            else:
+                victims = np.asarray(self.policy.choose_victims(resident, need, guard), dtype=np.int32)
             victim_slots = self.slot_of[victims]
             for v in victims:
                 self.policy.on_evict(int(v))

@@ -68,7 +68,8 @@ def route(store: ExpertStore, lookaheads, x: mx.array, indices: mx.array) -> Rou
     store.sync([indices] + [g for _, g in guesses])
     ids = np.array(indices)
     store.record(ids)
-    needed = np.unique(ids)
+    # The distinct experts, ascending: np.unique's result, in a third of its Python calls.
+    needed = np.bincount(ids.reshape(-1), minlength=store.cache.num_experts).nonzero()[0]
     store.score_guess(needed)
     return RoutedCall(ids, needed, stock_sorts(indices.size), guesses)
 

@@ -20,7 +20,7 @@ import numpy as np
 from .cache import ExpertCache
 from .errors import ReadError
 from .guess_buffer import COPIED, Guessed, GuessPool
-from .reader import ExpertReader, ReadRequest
+from .reader import ExpertReader
 from .slots import ExpertSlots
 
 log = logging.getLogger("expert_stream")
@@ -54,6 +54,8 @@ class ExpertStore:
         self._read_on_demand = False  # the current call read from the shards
         self.recorder = None  # TraceRecorder while the handle records routing
         self.position = 0  # index among the model's streamed layers (for the recorder)
+        # (file, start, row bytes) of each expert tensor: expert e's rows are start + e * row bytes
+        self._rows = [(t.info.file, t.info.start, t.row_bytes) for t in slots.tensors]
         self._table: mx.array | None = None
         self._table_version = -1
 
@@ -150,11 +152,13 @@ class ExpertStore:
         copied = self._from_guesses(experts, dests)
         # Offsets come from this layer's tensors: a scratch target is shared by layers whose
         # tensors have the same shapes, so its own `tensors` may describe another layer.
+        # Plain (file, offset, length, dest) tuples: the reader's request form, made from the
+        # table of (file, start, row bytes) built at load.
         requests = [
-            ReadRequest(t.info.file, t.offset_of(e), t.row_bytes, d)
-            for e, ds, done in zip(experts, dests, copied)
+            (file, start + e * length, length, d)
+            for e, ds, done in zip(experts.tolist(), dests, copied)
             if not done
-            for t, d in zip(self.slots.tensors, ds)
+            for (file, start, length), d in zip(self._rows, ds)
         ]
         self._read_on_demand = self._read_on_demand or bool(requests)
         try:
@@ -191,8 +195,12 @@ class ExpertStore:
                     stats.reads_landed += reads.from_disk
                 else:
                     stats.reads_waited += reads.from_disk
-                if reads.target.write_mode != "direct" and pending:
-                    self.sync(list(pending))  # a slice update on an array a pending graph reads would copy it
+                # `copy` writes by an MLX scatter into the slot arrays, which would copy an array a
+                # pending graph reads. `staged` and `cuda` write the reserved rows in place, rows
+                # no pending graph reads (its hits are protected), and are done before the
+                # caller builds on them: no wait for the device.
+                if reads.target.write_mode == "copy" and pending:
+                    self.sync(list(pending))
                 reads.target.commit(reads.slots, reads.staged)
             finally:
                 if reads in self.in_flight:

@@ -34,8 +34,8 @@ class FailingReader:
         if self.fail_from is None or self.batches < self.fail_from:
             return self.inner.submit(requests)
         future = concurrent.futures.Future()
-        for r in requests:  # what a short read of a changed file leaves behind
-            np.frombuffer(memoryview(r.dest).cast("B"), dtype=np.uint8)[:] = 0xA5
+        for _file, _offset, _length, dest in requests:  # what a short read of a changed file leaves
+            np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)[:] = 0xA5
         future.set_exception(ReadError(f"injected failure of batch {self.batches}"))
         return future
 
