@@ -23,7 +23,9 @@ class TraceRecorder:
     def __init__(self, layer_names: list[str], num_experts: int):
         self.layer_names = layer_names
         self.num_experts = num_experts
-        self._pass: dict[int, np.ndarray] = {}
+        # per layer, the passes it recorded that some other layer has not reached yet (FIFO: a
+        # layer-major prefill records every chunk of a layer before the next layer's)
+        self._pass: dict[int, list[np.ndarray]] = {}
         self._blocks: list[np.ndarray] = []
         self._phase: list[np.ndarray] = []
         self._seq_start: list[int] = [0]
@@ -36,10 +38,10 @@ class TraceRecorder:
 
     def add(self, layer: int, ids: np.ndarray) -> None:
         """Layer `layer` (position among streamed layers) routed ids of shape (..., top_k)."""
-        self._pass[layer] = ids.reshape(-1, ids.shape[-1]).astype(np.int16)
+        self._pass.setdefault(layer, []).append(ids.reshape(-1, ids.shape[-1]).astype(np.int16))
         if len(self._pass) == len(self.layer_names):
-            block = np.stack([self._pass[i] for i in range(len(self.layer_names))], axis=1)
-            self._pass = {}
+            block = np.stack([self._pass[i].pop(0) for i in range(len(self.layer_names))], axis=1)
+            self._pass = {i: rows for i, rows in self._pass.items() if rows}
             self._blocks.append(block)
             # A pass of one token is a decode step; more tokens are a prefill chunk.
             self._phase.append(np.full(block.shape[0], 1 if block.shape[0] == 1 else 0, np.uint8))
