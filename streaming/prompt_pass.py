@@ -27,7 +27,12 @@ from greenlet import GreenletExit, greenlet
 
 # Families whose stock forward pass cannot be reordered layer-major without changing a bit, and
 # why; they keep one sweep per chunk. Found by tests/engine/test_prompt_pass.py over every preset.
-PER_CHUNK_FAMILIES: dict[str, str] = {}
+_LATER_CACHE = ("its forward pass builds the attention mask (and the rope offset) from the cache of a "
+                "later layer than the first streamed one, which the other chunks have not reached yet")
+PER_CHUNK_FAMILIES: dict[str, str] = {
+    "kimi_linear": _LATER_CACHE,  # cache[attn_idx], its first MLA layer, with return_array=True
+    "bailing_moe_linear": _LATER_CACHE,  # cache[attn_idx] = layer_group_size - 1, and its offset
+}
 
 
 class ChunkRunner(greenlet):
