@@ -32,6 +32,9 @@ _LATER_CACHE = ("its forward pass builds the attention mask (and the rope offset
 PER_CHUNK_FAMILIES: dict[str, str] = {
     "kimi_linear": _LATER_CACHE,  # cache[attn_idx], its first MLA layer, with return_array=True
     "bailing_moe_linear": _LATER_CACHE,  # cache[attn_idx] = layer_group_size - 1, and its offset
+    "bailing_moe_v3": _LATER_CACHE,  # mlx-lm 0.32: its first MLA layer's cache, return_array=True
+    "bailing_hybrid": _LATER_CACHE,  # mlx-lm 0.32: cache[_attn_idx], return_array=True
+    "kimi_k3": _LATER_CACHE,  # mlx-lm 0.32: cache[attn_idx]; a stale offset's mask does not even fit
 }
 
 
