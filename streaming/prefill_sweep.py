@@ -9,8 +9,9 @@ as that chunk's own stock call would (its sort rule, its kernel's row plan).
 
 Order of work for one sweep:
 1. experts already in the slots compute first, from the slots;
-2. the most used experts of the last chunk (up to the slot count) are adopted: read into the
-   slots they will keep after the call, so decode starts warm;
+2. the most used experts of the last tokens (up to the slot count) are adopted: read into the
+   slots they will keep after the call, so decode starts warm (and a long prompt's average
+   does not push out what its end, next to decode, uses);
 3. the rest stream through a double-buffered scratch block outside the cache (a throwaway
    buffer): batch j+1 is read while batch j computes;
 4. the adopted experts compute from the slots.
@@ -31,6 +32,9 @@ from .slots import ExpertSlots
 # Experts per scratch batch (two batches double-buffer). Bigger batches mean fewer kernel
 # launches; the scratch costs 2 * SCRATCH_EXPERTS experts of memory, shared by all layers.
 SCRATCH_EXPERTS = 8
+# Adoption ranks experts by their uses in the sweep's last this many tokens: the tokens nearest
+# decode say best what decode needs next (a whole long prompt's counts would adopt its average).
+ADOPT_FROM_LAST_TOKENS = 256
 
 
 class ScratchPool:
@@ -68,15 +72,15 @@ class PrefillSweep:
 
     def chunks(self, xs: list[mx.array], calls: list) -> list[mx.array]:
         """Each chunk's output, as stock's call of that chunk computes it, from ONE read of each
-        expert any of them needs. Adoption ranks experts by the last chunk's uses: the tokens
-        nearest decode say best what decode needs next (ties by the whole pass's uses)."""
+        expert any of them needs. Adoption ranks experts by their uses in the last
+        ADOPT_FROM_LAST_TOKENS tokens (ties by the whole sweep's uses)."""
         store, compute = self.store, self.compute
         cache = store.cache
         store.count_sweep_call()
         chunks = [_Chunk(x, call) for x, call in zip(xs, calls)]
         needed = np.unique(np.concatenate([c.call.needed for c in chunks]))
         uses = sum(np.bincount(c.flat, minlength=cache.num_experts) for c in chunks)
-        recent = np.bincount(chunks[-1].flat, minlength=cache.num_experts)
+        recent = np.bincount(_last_tokens(chunks, ADOPT_FROM_LAST_TOKENS), minlength=cache.num_experts)
 
         missing = cache.access(needed)
         resident = np.setdiff1d(needed, missing)
@@ -148,6 +152,19 @@ class _Chunk:
         self.flat = call.ids.reshape(-1)
         self.rows = token_rows(x)
         self.outputs, self.positions = [], []
+
+
+def _last_tokens(chunks: list[_Chunk], tokens: int) -> np.ndarray:
+    """The routed ids of the last `tokens` tokens of the chunks, in order."""
+    tail, left = [], tokens
+    for c in reversed(chunks):
+        take = min(left, c.flat.size // c.k)
+        if take:
+            tail.append(c.flat[c.flat.size - take * c.k:])
+        left -= take
+        if not left:
+            break
+    return np.concatenate(tail[::-1]) if tail else np.zeros(0, dtype=np.int64)
 
 
 def _read_batch(store, buffers, batches, j):
