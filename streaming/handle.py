@@ -117,6 +117,7 @@ class StreamHandle:
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
             "decode": self.decode.as_dict(),
+            "prefill": self.prefill.progress(),  # a layer-major prefill running now, or None
             "layers": layers,
         }
 

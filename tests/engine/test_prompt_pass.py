@@ -104,3 +104,27 @@ def test_a_window_of_two_chunks_is_two_passes_and_exact(checkpoints):
     assert sweeps == 2 * whole_handle.stats()["totals"]["sweep_calls"] > 0
     handle.close()
     whole_handle.close()
+
+
+def test_a_running_prefill_shows_in_stats_and_metrics(checkpoints):
+    """While a layer-major prefill runs, the handle's stats (status, the page) and the metrics
+    show its tokens done of total and the bytes it read; after it, nothing runs."""
+    from expert_stream.plugin.metrics import exposition
+
+    _, streamed, handle = load_pair(checkpoints("qwen3_moe"), prefill_step=STEP)
+    seen, scrapes = [], []
+
+    def progress(done, total):
+        running = handle.stats()["prefill"]
+        if running is not None:
+            seen.append(running)
+            status = {"models": {"m": {"state": "loaded", "streamed": True, "stats": handle.stats()}}}
+            scrapes.append(exposition(status)[0].decode())
+
+    generated(streamed, prompt_ids(TOKENS, seed=13)[0], progress)
+    middle = [p for p in seen if 0 < p["tokens_done"] < p["tokens_total"] == TOKENS]
+    assert middle and middle[-1]["bytes_read"] > 0
+    assert any(f'expert_stream_prefill_tokens_done{{model="m"}} {float(p["tokens_done"])}' in text
+               for p, text in zip(seen, scrapes) if p in middle)
+    assert handle.stats()["prefill"] is None
+    handle.close()
