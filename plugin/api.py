@@ -33,6 +33,6 @@ def load(path, budget_gib=None, *, tokenizer_config=None, model_config=None, pip
         headroom_gib=headroom_gib, **settings,
     )
     prefill_step.install()  # mlx_lm.generate / stream_generate chunk prompts by its prefill_step
-    prefill_step.register(model, handle.settings.prefill_step, handle.decode)
+    prefill_step.register(model, handle.settings.prefill_step, handle.decode, handle.prefill)
     pm.hook.model_loaded(model_id=str(path), model_path=str(path), handle=handle)
     return model, tokenizer, handle

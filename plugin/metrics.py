@@ -76,6 +76,9 @@ class StatusCollector:
             rates = model.get("rates") or {}
             per_model.add("decode_tokens_per_second", "Decode speed over the last minute of samples "
                           "(0 when nothing was decoded in it)", name, rates.get("tokens_per_second") or 0.0)
+            prefill = (model.get("stats") or {}).get("prefill") or {}  # a long prompt in progress: not stuck
+            for field, text in PREFILL_GAUGES.items():
+                per_model.add(f"prefill_{field}", text, name, prefill.get(field, 0))
             for rank, figures in _cache_figures(name, model, pipeline if ranked else None):
                 key = [name, str(rank)] if ranked else [name]
                 for counter, value in (figures.get("counters") or {}).items():
@@ -94,6 +97,13 @@ class StatusCollector:
         reloads.add_metric(["refused"], status.get("reloads_refused", 0))
         yield reloads
 
+
+# prompt_pass.PrefillProgress fields -> help (0 while no layer-major prefill runs)
+PREFILL_GAUGES = {
+    "tokens_done": "Prompt tokens of the running prefill that every layer is done with",
+    "tokens_total": "Prompt tokens of the running prefill",
+    "bytes_read": "Expert bytes the running prefill has read so far",
+}
 
 GAUGES = {
     "slots": "Expert slots of the streamed layers",

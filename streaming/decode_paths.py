@@ -74,6 +74,20 @@ def route(store: ExpertStore, lookaheads, x: mx.array, indices: mx.array) -> Rou
     return RoutedCall(ids, needed, stock_sorts(indices.size), guesses)
 
 
+def route_chunks(store: ExpertStore, indices: list[mx.array]) -> list[RoutedCall]:
+    """`route` for a prompt pass's chunks at one layer: all their routing to the host in one
+    sync (no lookahead: guesses are a decode token's)."""
+    store.await_prefetch()
+    store.sync(indices)
+    calls = []
+    for ind in indices:
+        ids = np.array(ind)
+        store.record(ids)
+        calls.append(RoutedCall(ids, np.unique(ids), stock_sorts(ind.size)))
+    store.score_guess(np.unique(np.concatenate([c.needed for c in calls])))
+    return calls
+
+
 class ResidentPath:
     """Every expert of the layer in a slot: the stock call with ids mapped on the device, no
     sync and no bookkeeping beyond a counter (stock's cost)."""

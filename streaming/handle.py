@@ -10,6 +10,7 @@ from typing import Optional
 from .cache import LayerStats
 from .errors import BudgetError
 from .decode_clock import DecodeClock
+from .prompt_pass import PromptPrefill
 from .recorder import TraceRecorder
 from .settings import GIB
 
@@ -51,6 +52,8 @@ class StreamHandle:
         self.decode = DecodeClock(lambda: sum(s.cache.stats.bytes_read for s in self.streams))
         if layers:
             layers[0].clock = self.decode
+        self.prefill = PromptPrefill(layers, index.model_type, settings.prefill_window,
+                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams))
 
     @property
     def model_path(self):
@@ -114,6 +117,7 @@ class StreamHandle:
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
             "decode": self.decode.as_dict(),
+            "prefill": self.prefill.progress(),  # a layer-major prefill running now, or None
             "layers": layers,
         }
 

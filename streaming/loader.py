@@ -130,6 +130,8 @@ def _load_rank(model_path, settings, group, hooks, build, trust_remote_code, whe
         model, config = build()
         index, settings = pipeline(model, model_path, settings, group)
         handle = _attach(model, index, settings, hooks.architectures, None, where, memory)
+        # A rank's layers wait on the previous rank's send of each chunk: one chunk at a time.
+        handle.prefill.keep_per_chunk("a pipeline rank")
         mx.eval(model.parameters())  # this rank's trunk; never routed experts
         handle.reader.verify()
     except Exception as exc:  # any failure: the other ranks must hear of it

@@ -3,10 +3,15 @@ has slots reads each missing expert exactly once, in expert-id order (adjacent e
 adjacent in the shard, so reads merge into long spans), and computes the chunk's pairs expert
 group by expert group.
 
-Order of work for one call:
+One sweep serves one call, or every chunk of a prompt pass at one layer (prompt_pass.py): then
+each expert any chunk needs is read once for the whole pass, and each chunk's pairs are computed
+as that chunk's own stock call would (its sort rule, its kernel's row plan).
+
+Order of work for one sweep:
 1. experts already in the slots compute first, from the slots;
-2. the chunk's most used experts (up to the slot count) are adopted: read into the slots they
-   will keep after the call, so decode starts warm;
+2. the most used experts of the last tokens (up to the slot count) are adopted: read into the
+   slots they will keep after the call, so decode starts warm (and a long prompt's average
+   does not push out what its end, next to decode, uses);
 3. the rest stream through a double-buffered scratch block outside the cache (a throwaway
    buffer): batch j+1 is read while batch j computes;
 4. the adopted experts compute from the slots.
@@ -27,6 +32,9 @@ from .slots import ExpertSlots
 # Experts per scratch batch (two batches double-buffer). Bigger batches mean fewer kernel
 # launches; the scratch costs 2 * SCRATCH_EXPERTS experts of memory, shared by all layers.
 SCRATCH_EXPERTS = 8
+# Adoption ranks experts by their uses in the sweep's last this many tokens: the tokens nearest
+# decode say best what decode needs next (a whole long prompt's counts would adopt its average).
+ADOPT_FROM_LAST_TOKENS = 256
 
 
 class ScratchPool:
@@ -50,7 +58,8 @@ class ScratchPool:
 
 
 class PrefillSweep:
-    """The path of a call that needs more experts than the layer has slots."""
+    """The path of a call that needs more experts than the layer has slots; with `chunks`, of
+    several prefill chunks' calls of one layer at once (prompt_pass.py)."""
 
     name = "prefill_sweep"
 
@@ -59,29 +68,41 @@ class PrefillSweep:
         self.scratch = scratch  # shared by the model's layers
 
     def __call__(self, x: mx.array, indices: mx.array, call) -> mx.array:
+        return self.chunks([x], [call])[0]
+
+    def chunks(self, xs: list[mx.array], calls: list) -> list[mx.array]:
+        """Each chunk's output, as stock's call of that chunk computes it, from ONE read of each
+        expert any of them needs. Adoption ranks experts by their uses in the last
+        ADOPT_FROM_LAST_TOKENS tokens (ties by the whole sweep's uses)."""
         store, compute = self.store, self.compute
         cache = store.cache
-        ids, needed, do_sort = call.ids, call.needed, call.sorts
         store.count_sweep_call()
-        k = ids.shape[-1]
-        flat = ids.reshape(-1)
-        rows_of = token_rows(x)
-        uses = np.bincount(flat, minlength=cache.num_experts)
+        chunks = [_Chunk(x, call) for x, call in zip(xs, calls)]
+        needed = np.unique(np.concatenate([c.call.needed for c in chunks]))
+        uses = sum(np.bincount(c.flat, minlength=cache.num_experts) for c in chunks)
+        recent = np.bincount(_last_tokens(chunks, ADOPT_FROM_LAST_TOKENS), minlength=cache.num_experts)
 
         missing = cache.access(needed)
         resident = np.setdiff1d(needed, missing)
-        hottest = needed[np.argsort(-uses[needed], kind="stable")[: cache.num_slots]]
+        hottest = needed[np.lexsort((-uses[needed], -recent[needed]))[: cache.num_slots]]
         adopt = np.setdiff1d(hottest, resident)  # read into the slots they keep
         cold = np.setdiff1d(missing, adopt)  # through the scratch buffers, once each
-        outputs, positions = [], []
+        outputs = []
 
         def pairs(experts, slot_of, array_experts, buffer=None):
-            """Pairs of `experts`, from a tensor of `array_experts` experts (slots or scratch)."""
-            pos = np.flatnonzero(np.isin(flat, experts))
-            plan = compute.row_plan(flat.size, array_experts, do_sort)
-            ys, ps = compute.pairs(rows_of, pos, slot_of(flat[pos]), k, do_sort, plan, buffer)
+            """Every chunk's pairs of `experts`, from a tensor of `array_experts` experts (slots
+            or scratch), each chunk shaped as its own stock call."""
+            ys = []
+            for c in chunks:
+                pos = np.flatnonzero(np.isin(c.flat, experts))
+                if not pos.size:
+                    continue
+                plan = compute.row_plan(c.flat.size, array_experts, c.call.sorts)
+                y, p = compute.pairs(c.rows, pos, slot_of(c.flat[pos]), c.k, c.call.sorts, plan, buffer)
+                c.outputs.extend(y)
+                c.positions.extend(p)
+                ys.extend(y)
             outputs.extend(ys)
-            positions.extend(ps)
             return ys
 
         def from_cache(experts):
@@ -117,7 +138,33 @@ class PrefillSweep:
             pairs(adopt, from_cache, cache.num_slots)
         store.sync(outputs)  # scratch buffers are reused by the next layer; slots pinned till here
         store.unpin()
-        return unflatten_pairs(stitch(outputs, positions, axis=0), ids.shape)
+        return [unflatten_pairs(stitch(c.outputs, c.positions, axis=0), c.call.ids.shape) for c in chunks]
+
+
+class _Chunk:
+    """One chunk's call within a sweep: its flat routing, token rows, and outputs so far."""
+
+    __slots__ = ("call", "flat", "rows", "k", "outputs", "positions")
+
+    def __init__(self, x: mx.array, call):
+        self.call = call
+        self.k = call.ids.shape[-1]
+        self.flat = call.ids.reshape(-1)
+        self.rows = token_rows(x)
+        self.outputs, self.positions = [], []
+
+
+def _last_tokens(chunks: list[_Chunk], tokens: int) -> np.ndarray:
+    """The routed ids of the last `tokens` tokens of the chunks, in order."""
+    tail, left = [], tokens
+    for c in reversed(chunks):
+        take = min(left, c.flat.size // c.k)
+        if take:
+            tail.append(c.flat[c.flat.size - take * c.k:])
+        left -= take
+        if not left:
+            break
+    return np.concatenate(tail[::-1]) if tail else np.zeros(0, dtype=np.int64)
 
 
 def _read_batch(store, buffers, batches, j):

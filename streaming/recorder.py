@@ -23,7 +23,9 @@ class TraceRecorder:
     def __init__(self, layer_names: list[str], num_experts: int):
         self.layer_names = layer_names
         self.num_experts = num_experts
-        self._pass: dict[int, object] = {}
+        # per layer, the passes it recorded that some other layer has not reached yet (FIFO: a
+        # layer-major prefill records every chunk of a layer before the next layer's)
+        self._pass: dict[int, list] = {}
         self._blocks: list[np.ndarray] = []
         self._unread: list[list] = []  # whole passes whose ids may still be on the device
         self._phase: list[np.ndarray] = []
@@ -39,10 +41,10 @@ class TraceRecorder:
         """Layer `layer` (position among streamed layers) routed ids of shape (..., top_k): a numpy
         array, or an MLX array a layer left on the device. Those are read two passes later, when
         decode (one step evaluated ahead) has computed them, so that recording adds no sync."""
-        self._pass[layer] = ids
+        self._pass.setdefault(layer, []).append(ids)
         if len(self._pass) == len(self.layer_names):
-            rows = [self._pass[i] for i in range(len(self.layer_names))]
-            self._pass = {}
+            rows = [self._pass[i].pop(0) for i in range(len(self.layer_names))]
+            self._pass = {i: left for i, left in self._pass.items() if left}
             self._unread.append(rows)
             tokens = rows[0].size // rows[0].shape[-1]
             # A pass of one token is a decode step; more tokens are a prefill chunk.

@@ -47,6 +47,9 @@ class StreamSettings:
     warm_start: Optional[str] = None
     # Tokens per prefill chunk handed to the model (the host's prefill_step_size when it has one).
     prefill_step: int = 2048
+    # Tokens a layer-major prefill holds at once (prompt_pass.py): each streamed layer reads each
+    # expert once per this many prompt tokens; 0 prefills chunk by chunk (a sweep per chunk).
+    prefill_window: int = 32768
     # Split the budget over layers by measured miss curves (warm-start trace) instead of evenly.
     budget_by_trace: bool = True
     # Move slots between layers while serving, by the hit curves they measure
@@ -174,6 +177,7 @@ MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops b
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
            "context_length": (1, 1 << 24),
            "prefetch_per_layer": (0, 4096), "prefetch_depth": (1, 64), "prefetch_guesses": (1, 4096), "prefill_step": (1, 1 << 20),
+           "prefill_window": (0, 1 << 24),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
 

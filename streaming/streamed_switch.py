@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from .decode_paths import ComputeFloor, LayerByLayer, LossySkip, ResidentPath, route
+from .decode_paths import ComputeFloor, LayerByLayer, LossySkip, ResidentPath, route, route_chunks
 from .expert_calls import ExpertCompute
 from .expert_store import ExpertStore
 from .prefill_sweep import PrefillSweep
@@ -41,6 +42,8 @@ class StreamedSwitch(nn.Module):
         self.online_budget = None  # OnlineBudget moving slots between layers (set by the loader)
         self.path_taken = None  # the path object of the latest call
         self.clock = None  # decode_clock.DecodeClock on the model's first streamed layer (set by its handle)
+        # prompt_pass's park while a layer-major prefill runs: calls wait for the other chunks
+        object.__setattr__(self, "prompt_pass", None)
 
     def __getattr__(self, name: str):
         # The model may reach into the block it built: muse_spark reads
@@ -57,6 +60,8 @@ class StreamedSwitch(nn.Module):
         self.floor = ComputeFloor(self.store, self.compute) if on else None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.prompt_pass is not None:
+            return self.prompt_pass(self, x, indices)
         if self.online_budget is not None and self.floor is None:
             self.online_budget.apply(self)  # slots follow the budget, in a layer holding every expert too
         if self.clock is not None:  # the token count is the shape's: no sync
@@ -81,6 +86,39 @@ class StreamedSwitch(nn.Module):
         store.pin([y])
         return y
 
+    def call_chunks(self, xs: list[mx.array], indices: list[mx.array]) -> list[mx.array]:
+        """A prompt pass's calls of this layer, one per chunk in chunk order (prompt_pass.py),
+        each output bitwise its own call's: one sync for all, and one sweep where together they
+        need more experts than the layer has slots (each expert read once for the pass)."""
+        if self.online_budget is not None and self.floor is None:
+            self.online_budget.apply(self)
+        if self.clock is not None:
+            self.clock.tick(0)  # a prefill: ends the decode run
+        path = self.floor or (self.resident if self.store.on_device() else None)
+        if path is not None:
+            self.path_taken = path
+            return [path(x, i) for x, i in zip(xs, indices)]
+        store = self.store
+        store.reap()
+        try:
+            calls = route_chunks(store, indices)
+            if len(calls) > 1 and _union_size(calls) > store.cache.num_slots:
+                self.path_taken = self.sweep
+                ys = self.sweep.chunks(xs, calls)
+                store.pin(ys)
+            else:  # they fit the slots together: each chunk's call as it comes, misses read once
+                ys = []
+                for x, i, call in zip(xs, indices, calls):
+                    self.path_taken = self._host_path(x, call)
+                    ys.append(self.path_taken(x, i, call))
+                    store.pin(ys[-1:])
+        except BaseException:
+            store.reap()
+            raise
+        finally:
+            store.end_call()
+        return ys
+
     def _host_path(self, x, call):
         """The path for a call whose routing is on the host."""
         if call.needed.size > self.store.cache.num_slots:
@@ -90,3 +128,7 @@ class StreamedSwitch(nn.Module):
             if call.kept is not None:
                 return self.skip
         return self.layered
+
+
+def _union_size(calls) -> int:
+    return int(np.unique(np.concatenate([c.needed for c in calls])).size)

@@ -180,7 +180,16 @@ def _model_row(name: str, model: dict, history) -> str:
                   f"{run_q:>6} {('%.2f' % tps) if tps is not None else '-':>7} {_pct(rates.get('hit_rate')):>7} "
                   f"{_pct(counters['hits'] / uses if uses else None):>7} "
                   f"{_bytes(rates.get('read_bytes_per_second')):>9} {_bytes(rates.get('bytes_per_token')):>9}"
-                  + (f"\n{'':16} hit rate per {history['interval_s']:g} s, newest last: {spark}" if spark.strip() else ""))
+                  + (f"\n{'':16} hit rate per {history['interval_s']:g} s, newest last: {spark}" if spark.strip() else "")
+                  + _prefill_line(stats.get("prefill")))
+
+
+def _prefill_line(prefill) -> str:
+    """A prefill in progress (a long prompt can take minutes: the server is working, not stuck)."""
+    if not prefill:
+        return ""
+    return (f"\n{'':16} prefill: {prefill['tokens_done']}/{prefill['tokens_total']} tokens, "
+            f"{_bytes(prefill['bytes_read'])} read, {prefill['seconds']:.0f} s")
 
 
 def sparkline(history, name: str, width: int = 24) -> str:

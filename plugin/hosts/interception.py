@@ -186,7 +186,7 @@ def adopt(target: Target, model, model_path: Path, handle, settings) -> None:
     if old is not None:
         prefill_step.unregister(old.model)
         old.close()
-    prefill_step.register(model, settings.prefill_step, handle.decode)  # a request's start ends a decode run
+    prefill_step.register(model, settings.prefill_step, handle.decode, handle.prefill)  # a request's start ends a decode run
     log.info("expert-stream: %s streams %s with a %.3f GiB budget%s", target.model_id, model_path,
              handle.budget.target_bytes / 2**30, " (auto)" if handle.budget.auto else "")
     plugins.get_plugin_manager().hook.model_loaded(model_id=target.model_id, model_path=str(model_path),

@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+from expert_stream.plugin.hosts import layer_major
+
 _lock = threading.Lock()
 # id(model) of a loaded streamed model -> (a weak reference to it, its prefill_step, its
 # decode_clock.DecodeClock or None); the reference guards against a later model that reuses a
@@ -57,10 +59,11 @@ def install() -> None:
         generate.generate_step, generate.speculative_generate_step = _generate_step, _speculative_generate_step
 
 
-def register(model, prefill_step: int, clock=None) -> None:
-    """`clock`: the model's decode_clock.DecodeClock (a generation's start begins a new run)."""
+def register(model, prefill_step: int, clock=None, prefill=None) -> None:
+    """`clock`: the model's decode_clock.DecodeClock (a generation's start begins a new run);
+    `prefill`: its prompt_pass.PromptPrefill (a long prompt prefills layer-major)."""
     with _lock:
-        _steps[id(model)] = (weakref.ref(model), int(prefill_step), clock)
+        _steps[id(model)] = (weakref.ref(model), int(prefill_step), clock, prefill)
 
 
 def unregister(model) -> None:
@@ -69,18 +72,21 @@ def unregister(model) -> None:
 
 
 def _registered(model):
-    """(prefill_step, clock) of a registered streamed model, or None."""
+    """(prefill_step, clock, prefill) of a registered streamed model, or None."""
     with _lock:
-        ref, step, clock = _steps.get(id(model), (None, None, None))
-    return (step, clock) if ref is not None and ref() is model else None
+        ref, step, clock, prefill = _steps.get(id(model), (None, None, None, None))
+    return (step, clock, prefill) if ref is not None and ref() is model else None
 
 
 def _generate_step(prompt, model, *args, **kwargs):
     found = _registered(model)
-    if found is not None:
-        kwargs["prefill_step_size"], clock = found
-        if clock is not None:
-            clock.new_run()
+    if found is None:
+        return _original(prompt, model, *args, **kwargs)
+    kwargs["prefill_step_size"], clock, prefill = found
+    if clock is not None:
+        clock.new_run()
+    if prefill is not None and layer_major.serves(prefill, prompt, kwargs):
+        return layer_major.generate(_original, prefill, prompt, model, args, kwargs)
     return _original(prompt, model, *args, **kwargs)
 
 
@@ -88,7 +94,7 @@ def _speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
     found = _registered(model)
     if found is None:
         return _original_speculative(prompt, model, draft_model, *args, **kwargs)
-    kwargs["prefill_step_size"], clock = found
+    kwargs["prefill_step_size"], clock, _ = found  # a draft model prefills chunk by chunk
     steps = _original_speculative(prompt, model, draft_model, *args, **kwargs)
     return steps if clock is None else _counted(steps, clock)
 

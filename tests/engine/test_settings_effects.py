@@ -34,15 +34,18 @@ def prefill(model, tokenizer, step_size=None):
 
 
 def test_prefill_step_sets_the_chunks_of_mlx_lm_generate(moe):
-    # 3 of 8 slots per layer: every chunk of 8+ tokens needs more experts than that: one sweep a chunk.
+    # 3 of 8 slots per layer: every chunk of 8+ tokens needs more experts than that. Chunk by
+    # chunk (prefill_window 0) that is one sweep a chunk; layer-major, one sweep a layer.
     counts = {}
-    for step in (2048, 8):
-        model, tokenizer, handle = expert_stream.load(moe, budget_gib=0.00005, prefill_step=step)
+    for step, window in ((2048, 0), (8, 0), (8, 32768)):
+        model, tokenizer, handle = expert_stream.load(moe, budget_gib=0.00005, prefill_step=step,
+                                                      prefill_window=window)
         prefill(model, tokenizer)
-        counts[step] = sweeps(handle)
+        counts[step, window] = sweeps(handle)
         handle.close()
-    assert counts[2048] == 2  # one chunk, one sweep in each of the 2 layers
-    assert counts[8] >= 2 * 6, counts
+    assert counts[2048, 0] == 2  # one chunk, one sweep in each of the 2 layers
+    assert counts[8, 0] >= 2 * 6, counts
+    assert counts[8, 32768] == 2, counts
 
 
 def test_prefill_step_overrides_the_hosts_step_size(moe):
@@ -53,7 +56,7 @@ def test_prefill_step_overrides_the_hosts_step_size(moe):
     from expert_stream.plugin.hosts import interception
 
     interception.install()
-    settings = expert_stream.streaming.StreamSettings(budget_gib=0.00005, prefill_step=8).to_dict()
+    settings = expert_stream.streaming.StreamSettings(budget_gib=0.00005, prefill_step=8, prefill_window=0).to_dict()  # chunk by chunk: a sweep each
     interception.set_targets({moe: interception.Target("m", settings)})
     try:
         model, tokenizer = mlx_lm.load(str(moe))

@@ -1,0 +1,84 @@
+"""Prefill bytes, per-chunk sweep against layer-major prefill, side by side in one run: each
+prompt length goes through mlx-lm's own `generate_step` after `expert_stream.load`, once with
+`prefill_window: 0` (a sweep per `prefill_step` chunk, main's path before the layer-major one)
+and once layer-major, and the bytes read by the prefill are printed over the bytes of the
+experts the prompt routes to (each layer's distinct experts once: one pass).
+
+    python -m expert_stream.streaming.lab.prefill_bytes [MODEL_DIR] --tokens 8192 16384
+
+Without MODEL_DIR a float32 synthetic qwen3_moe checkpoint is written to a temporary folder
+(random routing: each chunk touches nearly every expert, the worst case for the per-chunk path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BUDGET_FRACTION = 0.25  # the issue's figure: a budget of a quarter of the expert bytes
+
+
+def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: float = BUDGET_FRACTION) -> dict:
+    """One prefill of `tokens` random tokens: bytes read before the first decode step, the
+    one-pass bytes of its routing, and the seconds to the first token."""
+    import mlx.core as mx
+
+    import expert_stream
+    from expert_stream.streaming.footprint import checkpoint_footprint
+
+    fp = checkpoint_footprint(path)
+    budget = max(fp.budget_gib_for_slots(fp.top_k), fraction * fp.expert_bytes / 2**30)
+    model, _, handle = expert_stream.load(path, budget_gib=budget, prefill_step=step, prefill_window=window,
+                                          prefetch=False, online_budget=False)
+    prompt = mx.array(np.random.default_rng(tokens).integers(3, 500, tokens), dtype=mx.int32)
+    at_end = {}
+
+    def progress(done, total):
+        if done == total - 1 and not at_end:  # the prompt but its last token is in the cache
+            at_end["bytes"] = handle.stats()["totals"]["bytes_read"]
+
+    generate = importlib.import_module("mlx_lm.generate")
+    t0 = time.perf_counter()
+    with handle.recording() as rec:
+        for token, _ in generate.generate_step(prompt, model, max_tokens=1, prefill_step_size=step,
+                                               prompt_progress_callback=progress):
+            mx.eval(token)
+    seconds = time.perf_counter() - t0
+    size = {p.path: p.expert_bytes for p in handle.plans}
+    ids = rec.trace().ids[: tokens - 1]
+    one_pass = sum(np.unique(ids[:, i]).size * size[s.name] for i, s in enumerate(handle.streams))
+    handle.close()
+    return {"tokens": tokens, "path": "per-chunk" if window == 0 else "layer-major", "bytes": at_end["bytes"],
+            "one_pass_bytes": one_pass, "ratio": at_end["bytes"] / one_pass, "ttft_s": seconds}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", nargs="?")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--prefill-step", type=int, default=2048)
+    parser.add_argument("--window", type=int, default=32768, help="prefill_window of the layer-major runs")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model_dir) if args.model_dir else _synthetic(Path(tmp) / "model")
+        print(f"{'tokens':>7} {'path':>12} {'bytes read':>14} {'one pass':>14} {'ratio':>6} {'ttft s':>8}")
+        for tokens in args.tokens:
+            for window in (0, args.window):
+                r = prefill_figures(path, tokens, window, args.prefill_step)
+                print(f"{r['tokens']:>7} {r['path']:>12} {r['bytes']:>14,} {r['one_pass_bytes']:>14,} "
+                      f"{r['ratio']:>6.2f} {r['ttft_s']:>8.1f}")
+
+
+def _synthetic(out: Path) -> Path:
+    from .synthetic import make_checkpoint
+
+    return make_checkpoint(out, arch="qwen3_moe", layers=4, experts=64, top_k=8, dtype="float32", progress=False)
+
+
+if __name__ == "__main__":
+    main()

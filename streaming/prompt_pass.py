@@ -1,0 +1,172 @@
+"""Layer-major prefill: one read of each expert a prompt needs, per streamed layer, however many
+prefill chunks the prompt has.
+
+Stock mlx-lm prefills a prompt chunk by chunk (`prefill_step` tokens each), every chunk through
+every layer. Layer-major order is just as valid a dependency order for the same chunks: chunk c
+at layer L needs chunk c's output of layer L-1 and the KV of chunks before c at layer L, nothing
+else. So each chunk's forward pass runs in its own greenlet (same OS thread: MLX's thread-local
+streams are the caller's) and parks at every streamed layer; once every chunk waits at the same
+layer, that layer computes all chunks' calls from one sweep over the experts
+(`StreamedSwitch.call_chunks`), and the chunks resume in chunk order, so each layer's KV cache is
+appended in stock's order and every chunk's call keeps stock's shape (the bits are stock's).
+The chunks' logits are dropped unevaluated: stock's prefill never looks at them either.
+
+A prompt longer than the window (tokens whose activations live at once) goes in several passes,
+each of whole chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import mlx.core as mx
+from greenlet import GreenletExit, greenlet
+
+# Families whose stock forward pass cannot be reordered layer-major without changing a bit, and
+# why; they keep one sweep per chunk. Found by tests/engine/test_prompt_pass.py over every preset.
+_LATER_CACHE = ("its forward pass builds the attention mask (and the rope offset) from the cache of a "
+                "later layer than the first streamed one, which the other chunks have not reached yet")
+PER_CHUNK_FAMILIES: dict[str, str] = {
+    "kimi_linear": _LATER_CACHE,  # cache[attn_idx], its first MLA layer, with return_array=True
+    "bailing_moe_linear": _LATER_CACHE,  # cache[attn_idx] = layer_group_size - 1, and its offset
+    "bailing_moe_v3": _LATER_CACHE,  # mlx-lm 0.32: its first MLA layer's cache, return_array=True
+    "bailing_hybrid": _LATER_CACHE,  # mlx-lm 0.32: cache[_attn_idx], return_array=True
+    "kimi_k3": _LATER_CACHE,  # mlx-lm 0.32: cache[attn_idx]; a stale offset's mask does not even fit
+}
+
+
+class ChunkRunner(greenlet):
+    """One prefill chunk's forward pass, parked at each streamed layer it reaches."""
+
+
+def _park(layer, x: mx.array, indices: mx.array) -> mx.array:
+    """A streamed layer's call inside a pass: hand (x, indices) to the driver, get the output."""
+    runner = greenlet.getcurrent()
+    if not isinstance(runner, ChunkRunner):
+        raise RuntimeError(f"{layer.store.name}: called outside its prompt pass while one runs (one "
+                           "generation at a time per streamed model)")
+    return runner.parent.switch((layer, x, indices))
+
+
+def _forward(model, chunk: mx.array, cache) -> None:
+    model(chunk[None], cache=cache)  # logits dropped unevaluated: stock never reads a chunk's
+
+
+def chunk_sizes(tokens: int, step: int) -> list[int]:
+    """Stock generate_step's chunks of a prompt of `tokens` (its last token is decode's first
+    step, not prefill)."""
+    sizes, left = [], tokens - 1
+    while left > 0:
+        sizes.append(min(step, left))
+        left -= sizes[-1]
+    return sizes
+
+
+def windows(sizes: list[int], window: int) -> list[list[int]]:
+    """Chunks grouped into passes of at most `window` tokens (a chunk longer than that alone)."""
+    passes, current = [], []
+    for n in sizes:
+        if current and sum(current) + n > window:
+            passes.append(current)
+            current = []
+        current.append(n)
+    return passes + ([current] if current else [])
+
+
+@dataclass
+class PrefillProgress:
+    """A prefill in progress, for status and metrics (the compute thread writes it)."""
+
+    tokens_total: int = 0
+    tokens_done: int = 0  # every layer done with them (a pass's tokens advance layer by layer)
+    bytes_at_start: int = 0
+    started: float = 0.0
+
+    def as_dict(self, bytes_now: int) -> dict:
+        return {"tokens_done": self.tokens_done, "tokens_total": self.tokens_total,
+                "bytes_read": bytes_now - self.bytes_at_start, "seconds": time.monotonic() - self.started}
+
+
+class PromptPrefill:
+    """Layer-major prefill of one streamed model (its StreamedSwitch layers in model order)."""
+
+    def __init__(self, layers, model_type: str, window: int, bytes_read):
+        self.layers = layers
+        self.model_type = model_type
+        self.window = window  # tokens per pass
+        self._bytes_read = bytes_read  # () -> the model's expert bytes read so far
+        self._lock = threading.Lock()
+        self._progress: PrefillProgress | None = None
+        self._refused: str | None = None  # set by the loader where the model itself forbids it
+
+    def keep_per_chunk(self, reason: str) -> None:
+        """This model prefills chunk by chunk, for `reason` (a pipeline rank)."""
+        self._refused = reason
+
+    def refusal(self) -> str | None:
+        """Why this model prefills chunk by chunk instead, or None."""
+        if not self.layers:
+            return "no streamed layer"
+        return self._refused or PER_CHUNK_FAMILIES.get(self.model_type)
+
+    def progress(self) -> dict | None:
+        """The prefill running now (tokens done of total, bytes read), or None."""
+        with self._lock:
+            p = self._progress
+            return None if p is None else p.as_dict(self._bytes_read())
+
+    def prefill(self, model, prompt: mx.array, cache, step: int, on_progress=None) -> None:
+        """Stock's prefill of `prompt` (1-D tokens) into `cache`, but its last token, in stock's
+        chunks of `step`, layer-major. `on_progress(done, total)` as stock's callback."""
+        total = int(prompt.size)
+        on_progress = on_progress or (lambda *_: None)
+        with self._lock:
+            self._progress = PrefillProgress(total, 0, self._bytes_read(), time.monotonic())
+        try:
+            on_progress(0, total)
+            start = 0
+            for sizes in windows(chunk_sizes(total, step), self.window):
+                chunks = []
+                for n in sizes:
+                    chunks.append(prompt[start : start + n])
+                    start += n
+                self._pass(model, chunks, cache, on_progress, start - sum(sizes), total)
+                mx.eval([c.state for c in cache])
+                mx.clear_cache()
+                self._advance(start, on_progress, total)
+        finally:
+            with self._lock:
+                self._progress = None
+
+    def _advance(self, done: int, on_progress, total: int) -> None:
+        with self._lock:
+            self._progress.tokens_done = done
+        on_progress(done, total)
+
+    def _pass(self, model, chunks, cache, on_progress, before: int, total: int) -> None:
+        runners = [ChunkRunner(partial(_forward, model, chunk, cache)) for chunk in chunks]
+        tokens = sum(int(c.size) for c in chunks)
+        for layer in self.layers:
+            object.__setattr__(layer, "prompt_pass", _park)
+        try:
+            parked = [r.switch() for r in runners]
+            done_layers = 0
+            while not all(r.dead for r in runners):
+                if any(r.dead for r in runners) or any(p[0] is not parked[0][0] for p in parked):
+                    raise RuntimeError("the chunks of a prompt pass reached different layers")
+                layer = parked[0][0]
+                ys = layer.call_chunks([p[1] for p in parked], [p[2] for p in parked])
+                done_layers += 1
+                # Progress by layers: a pass's tokens are done when the last layer is.
+                self._advance(before + tokens * min(done_layers, len(self.layers)) // (len(self.layers) + 1), on_progress,
+                              total)
+                parked = [r.switch(y) for r, y in zip(runners, ys)]
+        finally:
+            for layer in self.layers:
+                object.__setattr__(layer, "prompt_pass", None)
+            for r in runners:
+                if not r.dead:
+                    r.throw(GreenletExit)
