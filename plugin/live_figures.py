@@ -15,8 +15,8 @@ import threading
 # The monotonic counters of one streamed model, in the order rows carry them.
 COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "guesses", "guess_hits",
             "prefetch_reads", "prefetch_hits", "syncs", "sync_seconds",
-            "decode_tokens", "decode_seconds", "decode_bytes")
-ENGINE_COUNTERS = COUNTERS[:11]  # from the handle's totals; the decode ones from its decode clock
+            "decode_tokens", "decode_seconds", "decode_bytes", "prompt_tokens_prefilled")
+ENGINE_COUNTERS = COUNTERS[:11]  # from the handle's totals; the decode ones from its decode clock, then its prefill count
 # What the serving process measures of itself (gauges).
 MEMORY = ("rss_bytes", "mlx_active_bytes")
 
@@ -27,7 +27,8 @@ def handle_counters(handle) -> list[float]:
     totals = stats["totals"]
     decode = stats.get("decode") or {}
     return [float(totals.get(name, 0)) for name in ENGINE_COUNTERS] + \
-        [float(decode.get("tokens", 0)), float(decode.get("seconds", 0.0)), float(decode.get("bytes_read", 0))]
+        [float(decode.get("tokens", 0)), float(decode.get("seconds", 0.0)), float(decode.get("bytes_read", 0)),
+         float(stats.get("prompt_tokens_prefilled", 0))]
 
 
 def process_memory() -> list[float]:

@@ -32,6 +32,9 @@ COUNTER_METRICS = {
     "decode_tokens": ("decode_tokens", "Decode steps (tokens generated one at a time)"),
     "decode_seconds": ("decode_seconds", "Seconds the decode steps took"),
     "decode_bytes": ("decode_read_bytes", "Expert bytes read during decode steps"),
+    # beside the prefill_* gauges (a running prefill); a prompt cache's hit is never prefilled
+    "prompt_tokens_prefilled": ("prompt_tokens_prefilled", "Prompt tokens that went through the streamed layers "
+                                "(prefill chunks; not those the host's prompt cache held)"),
 }
 
 

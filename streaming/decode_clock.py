@@ -12,7 +12,13 @@ not say, a gap longer than GAP_S.
 
 Speculative decoding (a draft model) never calls the main model with one token: each verify
 pass checks several and yields one to all of them. While such a generation runs, its loop counts
-the tokens it yields instead (`counting_yields`, `generated`), and forward passes are ignored."""
+the tokens it yields instead (`counting_yields`, `generated`), and forward passes are ignored.
+
+The same calls count the prompt tokens prefilled: the tokens of every forward pass of more than
+one token (a prompt chunk: hosts run a streamed model one sequence at a time; what a host's
+prompt cache held never gets here). A generation's last prompt token is its first decode step,
+and so is a final chunk of one token; a speculative generation's loop says how many it prefills
+(`prefilled`), since its verify passes look the same."""
 
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ class DecodeClock:
         self.tokens = 0
         self.seconds = 0.0
         self.bytes_read = 0
+        self.prompt_tokens = 0  # prompt tokens prefilled
         self._by_yields = False  # a speculative generation counts its yielded tokens
 
     def tick(self, tokens: int) -> None:
@@ -41,9 +48,14 @@ class DecodeClock:
         if self._by_yields:
             return
         if tokens != 1:
-            self._last = None
+            self.prefilled(tokens)
             return
         self._step()
+
+    def prefilled(self, tokens: int) -> None:
+        """`tokens` prompt tokens went through the model at once (a prefill ends a decode run)."""
+        self.prompt_tokens += tokens
+        self._last = None
 
     def generated(self) -> None:
         """A speculative generation yielded a token (inside `counting_yields`)."""
@@ -73,7 +85,7 @@ class DecodeClock:
 
     def reset(self) -> None:
         self._last = None
-        self.tokens, self.seconds, self.bytes_read = 0, 0.0, 0
+        self.tokens, self.seconds, self.bytes_read, self.prompt_tokens = 0, 0.0, 0, 0
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "bytes_read": self.bytes_read}

@@ -117,6 +117,7 @@ class StreamHandle:
             "warm_start_bytes": self.warm_start_bytes,
             "totals": total,
             "decode": self.decode.as_dict(),
+            "prompt_tokens_prefilled": self.decode.prompt_tokens,  # since load; a prompt cache's hits never count
             "prefill": self.prefill.progress(),  # a layer-major prefill running now, or None
             "layers": layers,
         }

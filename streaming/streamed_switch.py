@@ -92,8 +92,8 @@ class StreamedSwitch(nn.Module):
         need more experts than the layer has slots (each expert read once for the pass)."""
         if self.online_budget is not None and self.floor is None:
             self.online_budget.apply(self)
-        if self.clock is not None:
-            self.clock.tick(0)  # a prefill: ends the decode run
+        if self.clock is not None:  # a prefill: ends the decode run
+            self.clock.prefilled(sum(i.size // i.shape[-1] for i in indices))
         path = self.floor or (self.resident if self.store.on_device() else None)
         if path is not None:
             self.path_taken = path

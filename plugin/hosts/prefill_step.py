@@ -96,12 +96,14 @@ def _speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
         return _original_speculative(prompt, model, draft_model, *args, **kwargs)
     kwargs["prefill_step_size"], clock, _ = found  # a draft model prefills chunk by chunk
     steps = _original_speculative(prompt, model, draft_model, *args, **kwargs)
-    return steps if clock is None else _counted(steps, clock)
+    return steps if clock is None else _counted(steps, clock, len(prompt) - 1)
 
 
-def _counted(steps, clock):
-    """The speculative generation's tokens, each counted by the clock as it is yielded."""
+def _counted(steps, clock, prefilled: int):
+    """The speculative generation's tokens, each counted by the clock as it is yielded, and
+    the `prefilled` prompt tokens its stock loop prefills (all but the last)."""
     with clock.counting_yields():
+        clock.prefilled(prefilled)
         for step in steps:
             clock.generated()
             yield step

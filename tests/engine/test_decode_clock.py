@@ -23,6 +23,8 @@ def test_a_served_model_counts_each_generated_token(checkpoints):
     assert decode["tokens"] == 16
     assert 0 < decode["seconds"] < first_s
     assert 0 < decode["bytes_read"] <= handle.stats()["totals"]["bytes_read"]
+    # the prompt's tokens but its last (the first decode step) went through in one chunk
+    assert handle.stats()["prompt_tokens_prefilled"] == len(tokenizer.encode("Tell me about solid state drives.")) - 1
     time.sleep(1.0)  # idle: the next request's prefill ends the run, the pause is not decode time
     t0 = time.perf_counter()
     mlx_lm.generate(model, tokenizer, "And about hard disks, in a few more words?", max_tokens=8)
@@ -43,8 +45,12 @@ def test_a_served_model_counts_each_generated_token(checkpoints):
     mlx_lm.generate(model, tokenizer, ids[-1:], max_tokens=4, prompt_cache=cache)
     cached = handle.stats()["decode"]
     assert cached["tokens"] - before["tokens"] == 4 and cached["seconds"] - before["seconds"] < time.perf_counter() - t0
+    prefilled = handle.stats()["prompt_tokens_prefilled"]
+    mlx_lm.generate(model, tokenizer, ids[-1:], max_tokens=4, prompt_cache=cache)
+    assert handle.stats()["prompt_tokens_prefilled"] == prefilled  # the prompt cache held all but the last token
     handle.reset_stats()
     assert handle.stats()["decode"] == {"tokens": 0, "seconds": 0.0, "bytes_read": 0}
+    assert handle.stats()["prompt_tokens_prefilled"] == 0
 
 
 def test_speculative_decoding_counts_the_tokens_it_yields(checkpoints, tmp_path):
@@ -63,6 +69,8 @@ def test_speculative_decoding_counts_the_tokens_it_yields(checkpoints, tmp_path)
     elapsed = time.perf_counter() - t0
     decode = handle.stats()["decode"]
     assert len(out) == 12 and decode["tokens"] == 11
+    # the prompt but its last token, once: the verify passes, as long as chunks, are not prompt
+    assert handle.stats()["prompt_tokens_prefilled"] == len(tokenizer.encode("Tell me about solid state drives.")) - 1
     assert 0 < decode["seconds"] < elapsed and decode["bytes_read"] > 0
     mlx_lm.generate(model, tokenizer, "And without a draft?", max_tokens=4)  # single-token calls count again
     assert handle.stats()["decode"]["tokens"] == 11 + 4
