@@ -245,7 +245,7 @@ class _Watch:
 def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[dict, bool]:
     """The streamed side: (report, whether stock should run). t_compute comes from forced hits
     here unless stock will run (or a sweep measured it already)."""
-    import expert_stream.streaming.loader as loader
+    import expert_stream  # the public load: the generate_step wrapper (prefill_step, layer-major prefill) too
 
     fp = checkpoint_footprint(cfg.model_dir)
     routing = _Routing(cfg, fp) if cfg.routing is not None else None
@@ -280,7 +280,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
     log(f"streamed: budget {budget}, {cfg.prompt_tokens} prompt + {cfg.gen_tokens} generated tokens"
         + (f", replaying {routing.path.name} from row {routing.start}" if routing else "")
         + (f", teacher-forced on {cfg.corpus}" if cfg.corpus else ""))
-    model, tokenizer, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
+    model, tokenizer, handle = expert_stream.load(cfg.model_dir, budget_gib=cfg.budget_gib, **cfg.settings)
     replay = routing.install(model) if routing else None
     watch = _Watch(handle)
     page_cache = {}
@@ -369,7 +369,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
     if not exact and not run_stock and cfg.corpus is None:
         log("lossy knobs on: the same run with exact settings, for token agreement")
         exact_settings = {k: v for k, v in cfg.settings.items() if k not in ("top_k_override", "skip_miss_below")}
-        model, _, handle = loader.load(cfg.model_dir, budget_gib=cfg.budget_gib, **exact_settings)
+        model, _, handle = expert_stream.load(cfg.model_dir, budget_gib=cfg.budget_gib, **exact_settings)
         replay = routing.install(model) if routing else None
         exact_run = timed_generation(model, _prompt(vocab_size(model), cfg.prompt_tokens, cfg.seed), cfg.gen_tokens,
                                      handle.settings.prefill_step,
