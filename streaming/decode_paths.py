@@ -75,10 +75,12 @@ def route(store: ExpertStore, lookaheads, x: mx.array, indices: mx.array) -> Rou
 
 
 def route_chunks(store: ExpertStore, indices: list[mx.array]) -> list[RoutedCall]:
-    """`route` for a prompt pass's chunks at one layer: all their routing to the host in one
-    sync (no lookahead: guesses are a decode token's)."""
+    """`route` for a prompt pass's chunks at one layer (no lookahead: guesses are a decode
+    token's). One sync per chunk, in chunk order: evaluated together, MLX would hold every
+    chunk's attention temporaries at once; one at a time, the peak is stock's one chunk."""
     store.await_prefetch()
-    store.sync(indices)
+    for ind in indices:
+        store.sync(ind)
     calls = []
     for ind in indices:
         ids = np.array(ind)

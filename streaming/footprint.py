@@ -1,6 +1,7 @@
 """What a checkpoint costs in memory, from headers and a lazily built model (no tensor data is
 read): trunk bytes, routed-expert bytes per layer, the smallest budget that can stream it, and
-its KV cache per token (kv_cost.py)."""
+its KV cache per token (kv_cost.py), and what a layer-major prefill holds per prompt token
+(prompt_pass.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .architectures import ArchitectureSpec, find_expert_blocks, spec_for
 from .checkpoint import CheckpointIndex
 from .errors import NotMoEError
 from .kv_cost import KVCost, kv_cost
+from .prompt_pass import activation_bytes
 from .settings import GIB
 from .slots import expert_bytes
 
@@ -27,6 +29,7 @@ class Footprint:
     # tensors on disk that stock mlx-lm's sanitize drops at load (an MTP head, a vision tower)
     dropped_bytes: int = 0
     kv: KVCost | None = None  # one sequence's caches by its length
+    prefill_token_bytes: int = 0  # activations a layer-major prefill holds per prompt token
 
     @property
     def loaded_bytes(self) -> int:
@@ -85,6 +88,7 @@ def measure(index: CheckpointIndex, model, spec: ArchitectureSpec, layers: list)
         top_k=spec.experts_per_token(index.config),
         dropped_bytes=index.total_bytes() - _loaded_bytes(index, model, spec),
         kv=kv_cost(model, index.config),
+        prefill_token_bytes=activation_bytes(model, index.config, spec.experts_per_token(index.config)),
     )
 
 

@@ -53,7 +53,7 @@ class StreamHandle:
         if layers:
             layers[0].clock = self.decode
         self.prefill = PromptPrefill(layers, index.model_type, settings.prefill_window,
-                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams))
+                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams), index.model_dir.name)
 
     @property
     def model_path(self):

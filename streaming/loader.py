@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -224,7 +225,19 @@ def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, 
     )
     handle = StreamHandle(index, settings, layers, plans, reader, model, warm_bytes, budget)
     LEDGER.add(handle, fp.trunk_bytes + fp.kv.bytes_for(budget.context_length))
+    handle.prefill.size_by(fp.prefill_token_bytes, partial(_prefill_room, handle, fp.kv, memory))
     return handle
+
+
+def _prefill_room(handle: StreamHandle, kv, memory: ProcessMemory, tokens: int) -> int:
+    """Bytes a prefill of `tokens` may give its activations: the limit, less what the process
+    holds now (RSS, or MLX's own count where the device's memory is not in it), the slots the
+    budget has yet to allocate, and the prompt's KV cache."""
+    import psutil
+
+    held = max(psutil.Process().memory_info().rss, mx.get_active_memory() + mx.get_cache_memory())
+    unallocated = max(handle.budget.target_bytes - handle.budget_bytes, 0)
+    return memory.limit().bytes - held - unallocated - kv.bytes_for(tokens)
 
 
 def _resolve_budget(fp, settings: StreamSettings, handed: Optional[HandedBudget], where: str,

@@ -12,11 +12,14 @@ appended in stock's order and every chunk's call keeps stock's shape (the bits a
 The chunks' logits are dropped unevaluated: stock's prefill never looks at them either.
 
 A prompt longer than the window (tokens whose activations live at once) goes in several passes,
-each of whole chunks.
+each of whole chunks. The window is `prefill_window`, or fewer tokens where the memory left under
+the process's limit holds fewer tokens' activations (`activation_bytes`), never less than one
+chunk (stock's own peak).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +39,29 @@ PER_CHUNK_FAMILIES: dict[str, str] = {
     "bailing_hybrid": _LATER_CACHE,  # mlx-lm 0.32: cache[_attn_idx], return_array=True
     "kimi_k3": _LATER_CACHE,  # mlx-lm 0.32: cache[attn_idx]; a stale offset's mask does not even fit
 }
+
+
+log = logging.getLogger("expert_stream")
+
+# Kept free beside a pass's activations: the allocator's slack, the attention temporaries of
+# the one chunk evaluated at a time (decode_paths.route_chunks), the scratch buffers' growth.
+PASS_MARGIN_BYTES = 512 << 20
+
+
+def activation_bytes(model, config: dict, top_k: int | None) -> int:
+    """Bytes a prompt pass holds per token at a streamed layer: the layer's input and the
+    residual beside it, the routed pairs' outputs and their stitched copy (2 x top_k), the
+    combined output; each a hidden-size vector of the activation dtype. Stock's prefill holds
+    the same for one chunk (streaming/lab/MEASUREMENTS.md has the measured slope)."""
+    from mlx.utils import tree_flatten
+
+    cfg = config.get("text_config") or config
+    hidden = int(cfg.get("hidden_size") or cfg.get("dim") or 0)
+    floats = [(name, a.dtype.size) for name, a in tree_flatten(model.parameters())
+              if hasattr(a, "dtype") and mx.issubdtype(a.dtype, mx.floating)]
+    norms = [size for name, size in floats if "norm" in name]  # norms keep the activation dtype
+    itemsize = norms[0] if norms else max((size for _, size in floats), default=2)
+    return hidden * itemsize * (2 * (top_k or 1) + 4)
 
 
 class ChunkRunner(greenlet):
@@ -84,23 +110,40 @@ class PrefillProgress:
     tokens_done: int = 0  # every layer done with them (a pass's tokens advance layer by layer)
     bytes_at_start: int = 0
     started: float = 0.0
+    tokens_per_pass: int = 0
 
     def as_dict(self, bytes_now: int) -> dict:
         return {"tokens_done": self.tokens_done, "tokens_total": self.tokens_total,
-                "bytes_read": bytes_now - self.bytes_at_start, "seconds": time.monotonic() - self.started}
+                "bytes_read": bytes_now - self.bytes_at_start, "seconds": time.monotonic() - self.started,
+                "tokens_per_pass": self.tokens_per_pass}
 
 
 class PromptPrefill:
     """Layer-major prefill of one streamed model (its StreamedSwitch layers in model order)."""
 
-    def __init__(self, layers, model_type: str, window: int, bytes_read):
+    def __init__(self, layers, model_type: str, window: int, bytes_read, name: str = ""):
         self.layers = layers
+        self.name = name or model_type  # the model, for the log
         self.model_type = model_type
         self.window = window  # tokens per pass
         self._bytes_read = bytes_read  # () -> the model's expert bytes read so far
         self._lock = threading.Lock()
         self._progress: PrefillProgress | None = None
         self._refused: str | None = None  # set by the loader where the model itself forbids it
+        self.token_bytes = 0  # activations per prompt token; 0: not sized, the window as set
+        self._room = None  # (prompt tokens) -> bytes this process may still take, for activations
+
+    def size_by(self, token_bytes: int, room) -> None:
+        """Passes fit their activations (`token_bytes` a token) into `room(prompt tokens)` bytes."""
+        self.token_bytes, self._room = token_bytes, room
+
+    def window_for(self, step: int, tokens: int) -> int:
+        """Tokens per pass now: the setting, or the whole chunks whose activations fit the
+        memory left (at least one chunk: stock's peak)."""
+        if not self.token_bytes or self._room is None:
+            return self.window
+        fits = max(self._room(tokens) - PASS_MARGIN_BYTES, 0) // self.token_bytes
+        return min(self.window, max(step, fits // step * step))
 
     def keep_per_chunk(self, reason: str) -> None:
         """This model prefills chunk by chunk, for `reason` (a pipeline rank)."""
@@ -123,12 +166,17 @@ class PromptPrefill:
         chunks of `step`, layer-major. `on_progress(done, total)` as stock's callback."""
         total = int(prompt.size)
         on_progress = on_progress or (lambda *_: None)
+        window = self.window_for(step, total)
+        if window < min(self.window, total - 1):
+            log.info("%s: prefill of %d tokens in passes of %d (prefill_window %d): the memory left holds "
+                     "activations of %d bytes a token for that many", self.name, total, window, self.window,
+                     self.token_bytes)
         with self._lock:
-            self._progress = PrefillProgress(total, 0, self._bytes_read(), time.monotonic())
+            self._progress = PrefillProgress(total, 0, self._bytes_read(), time.monotonic(), window)
         try:
             on_progress(0, total)
             start = 0
-            for sizes in windows(chunk_sizes(total, step), self.window):
+            for sizes in windows(chunk_sizes(total, step), window):
                 chunks = []
                 for n in sizes:
                     chunks.append(prompt[start : start + n])

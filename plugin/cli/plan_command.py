@@ -96,6 +96,7 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
                         "miss_gb_per_token": round(miss_high * fp.token_expert_bytes / 1e9, 4),
                         "tok_s": [round(slow, 2), round(fast, 2)], "miss_curve": curve})
     return {
+        "prefill": prefill_plan(fp, StreamSettings(context_length=context), reserve),
         "model_dir": str(model_dir), "model_type": fp.model_type,
         "total_gib": round(fp.total_bytes / GIB, 3), "trunk_gib": round(fp.trunk_bytes / GIB, 3),
         "expert_gib": round(fp.expert_bytes / GIB, 3), "dropped_gib": round(fp.dropped_bytes / GIB, 3),
@@ -115,6 +116,21 @@ def make_plan(model_dir: Path, context: int, memory_bytes: int, bandwidth_gbps: 
         "t_compute_source": compute_source,
         "trace": str(trace) if trace else None, "budgets": budgets,
     }
+
+
+def prefill_plan(fp, settings, reserve: int) -> dict:
+    """What a layer-major prefill holds beside the trunk, the slots and the KV cache: its
+    activations, per token and for a full pass; and the pass that auto's reserve (MLX cache and
+    headroom) holds. Passes shrink at run time to the memory left (streaming/prompt_pass.py)."""
+    from expert_stream.streaming.prompt_pass import PASS_MARGIN_BYTES, PER_CHUNK_FAMILIES
+
+    per, step = fp.prefill_token_bytes, settings.prefill_step
+    window = min(settings.prefill_window, settings.context_length)
+    fits = max(reserve - PASS_MARGIN_BYTES, 0) // per if per else window
+    return {"token_bytes": per, "prefill_window": settings.prefill_window, "prefill_step": step,
+            "pass_gib": round(per * window / GIB, 4), "chunk_gib": round(per * min(step, window) / GIB, 4),
+            "auto_pass_tokens": min(window, max(step, fits // step * step)),
+            "per_chunk": PER_CHUNK_FAMILIES.get(fp.model_type)}
 
 
 def header(model_dir: Path) -> str:
@@ -183,6 +199,15 @@ def run_plan(args) -> int:
         print(f"auto:     budget_gib auto picks {plan['auto']['budget_gib']} GiB here:")
     for line in plan["auto_lines"]:
         print(f"            {line}")
+    pre = plan["prefill"]
+    if pre["per_chunk"]:
+        print(f"prefill:  chunk by chunk ({pre['prefill_step']} tokens, each chunk one sweep): {pre['per_chunk']}")
+    else:
+        print(f"prefill:  layer-major, passes of up to {min(pre['prefill_window'], plan['context'])} tokens "
+              f"(prefill_window): activations {pre['token_bytes'] / 1024:.1f} KiB a token, {pre['pass_gib']} GiB "
+              f"a full pass (stock's one {pre['prefill_step']}-token chunk: {pre['chunk_gib']} GiB); beside auto's "
+              f"budget, its MLX cache and headroom hold passes of about {pre['auto_pass_tokens']} tokens; passes "
+              "shrink to the memory left, down to one chunk")
     print(f"disk:     {plan['disk_gbps']} GB/s measured")
     if plan["t_compute_ms"] is None:
         print("compute:  not measured: the trunk and the smallest budget do not fit in memory")

@@ -106,6 +106,27 @@ def test_a_window_of_two_chunks_is_two_passes_and_exact(checkpoints):
     whole_handle.close()
 
 
+def test_little_memory_left_shrinks_the_passes_and_stays_exact(checkpoints, caplog):
+    """Where the memory left under the limit holds no more than one chunk's activations, each
+    chunk is its own pass (stock's peak), logged, exact; with room, one pass for the prompt."""
+    path = checkpoints("qwen3_moe")
+    stock, tight, tight_handle = load_pair(path, prefill_step=STEP, memory_gib=0.001)
+    _, roomy, roomy_handle = load_pair(path, prefill_step=STEP)
+    assert tight_handle.prefill.token_bytes > 0
+    assert tight_handle.prefill.window_for(STEP, TOKENS) == STEP
+    assert roomy_handle.prefill.window_for(STEP, TOKENS) == roomy_handle.settings.prefill_window
+    prompt = prompt_ids(TOKENS, seed=14)[0]
+    expected = generated(stock, prompt)
+    with caplog.at_level("INFO", logger="expert_stream"):
+        assert_same(expected, generated(tight, prompt))
+    assert any(f"in passes of {STEP}" in r.getMessage() for r in caplog.records)
+    assert_same(expected, generated(roomy, prompt))
+    chunks = len(chunk_sizes(TOKENS, STEP))
+    assert tight_handle.stats()["totals"]["sweep_calls"] == chunks * roomy_handle.stats()["totals"]["sweep_calls"] > 0
+    tight_handle.close()
+    roomy_handle.close()
+
+
 def test_a_running_prefill_shows_in_stats_and_metrics(checkpoints):
     """While a layer-major prefill runs, the handle's stats (status, the page) and the metrics
     show its tokens done of total and the bytes it read; after it, nothing runs."""
@@ -123,7 +144,7 @@ def test_a_running_prefill_shows_in_stats_and_metrics(checkpoints):
 
     generated(streamed, prompt_ids(TOKENS, seed=13)[0], progress)
     middle = [p for p in seen if 0 < p["tokens_done"] < p["tokens_total"] == TOKENS]
-    assert middle and middle[-1]["bytes_read"] > 0
+    assert middle and middle[-1]["bytes_read"] > 0 and middle[-1]["tokens_per_pass"] == handle.settings.prefill_window
     assert any(f'expert_stream_prefill_tokens_done{{model="m"}} {float(p["tokens_done"])}' in text
                for p, text in zip(seen, scrapes) if p in middle)
     assert handle.stats()["prefill"] is None

@@ -26,6 +26,22 @@ def test_plan_reports_sizes_and_budgets(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"model:    {moe} (qwen3_moe, 2 layers") and "smallest" in out
     assert "uniform routing (conservative)" in out
+    assert "prefill:  layer-major, passes of up to" in out
+
+
+def test_plan_states_the_prefill_activation_term(tmp_path, capsys):
+    """plan prints what a layer-major pass holds per prompt token: hidden-size vectors of the
+    activation dtype, 2 x top_k + 4 of them (streaming/prompt_pass.activation_bytes)."""
+    from expert_stream.plugin.cli import main
+
+    moe = make_moe(tmp_path)
+    assert main(["plan", str(moe), "--json", "--bandwidth-gbps", "1", "--compute-ms", "5", "--context", "8192"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    hidden = json.loads((moe / "config.json").read_text())["hidden_size"]
+    pre = plan["prefill"]
+    assert pre["token_bytes"] in (hidden * size * (2 * plan["top_k"] + 4) for size in (2, 4))
+    assert pre["pass_gib"] == round(pre["token_bytes"] * 8192 / (1 << 30), 4)
+    assert pre["prefill_step"] <= pre["auto_pass_tokens"] <= 8192 and pre["per_chunk"] is None
 
 
 def test_plan_predicts_from_compute_and_the_miss_curve(tmp_path, capsys):
