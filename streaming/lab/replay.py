@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from greenlet import getcurrent
 
 from ..architectures import ArchitectureSpec, spec_for
 from .call_wrap import wrap_call
@@ -81,10 +82,10 @@ class RoutingReplay:
         self.counting = False  # forwards started while True are marked counted
         self.log: list[Forward] = []
         self.paths: list[str] = []  # module path of each MoE layer's expert call
-        self._row: int | None = None  # first row of the forward in progress
-        self._rows: np.ndarray | None = None  # every row of the forward in progress
+        # rows of each forward in progress, by the greenlet running it: a layer-major prefill
+        # (prompt_pass.py) runs its chunks' forwards side by side, each parked at every layer
+        self._forwards: dict = {}
         self._given: np.ndarray | None = None  # rows of the next forward (begin_rows)
-        self._tokens = 0
 
     @property
     def num_rows(self) -> int:
@@ -103,14 +104,14 @@ class RoutingReplay:
         given, self._given = self._given, None
         if given is not None and given.size != int(tokens):
             raise ReplayError(f"begin_rows gave {given.size} rows for a forward of {tokens} tokens")
-        self._tokens = int(tokens)
-        self._rows = given if given is not None else self.rows(self.next_row, self._tokens)
-        self._row = int(self._rows[0]) if self._rows.size else self.next_row
-        self.log.append(Forward(self._row, self._tokens, self.counting, given))
+        rows = given if given is not None else self.rows(self.next_row, int(tokens))
+        self.log.append(Forward(int(rows[0]) if rows.size else self.next_row, int(tokens), self.counting, given))
+        if rows.size:  # the next forward follows this one, even while this one is still running
+            self.next_row = (int(rows[-1]) + 1) % self.num_rows
+        self._forwards[getcurrent()] = rows
 
     def end_forward(self) -> None:
-        self.next_row = (int(self._rows[-1]) + 1) % self.num_rows if self._rows.size else self.next_row
-        self._row = self._rows = None
+        self._forwards.pop(getcurrent(), None)
 
     def rows(self, start: int, count: int) -> np.ndarray:
         return (start + np.arange(count)) % self.num_rows
@@ -118,19 +119,20 @@ class RoutingReplay:
     def experts(self, layer: int, path: str, indices: mx.array) -> mx.array:
         """The trace's experts for this forward's tokens at MoE layer `layer`, shaped and typed
         like the router's `indices` (..., k)."""
-        if self._row is None:
+        rows = self._forwards.get(getcurrent())
+        if rows is None:
             raise ReplayError(f"{path}: expert call outside a replayed forward of the model")
         k = int(indices.shape[-1])
         n = int(indices.size) // k
-        if n != self._tokens:
+        if n != rows.size:
             raise ReplayError(
-                f"{path}: {n} routed rows in a forward of {self._tokens} tokens; replay maps one "
+                f"{path}: {n} routed rows in a forward of {rows.size} tokens; replay maps one "
                 f"row to one token (batch 1), which model_type {self.model_type!r} does not do here"
             )
         if k > self.ids.shape[2]:
             raise ReplayError(f"{path}: the router gives top-{k}, the trace has top-{self.ids.shape[2]}")
         # A lossy top_k_override routes to fewer experts: the trace's first ones (its rank order).
-        ids = self.ids[self._rows, self.columns[layer], :k]
+        ids = self.ids[rows, self.columns[layer], :k]
         # `+ indices * 0` keeps the router in the graph of what the layer reads back: a layer
         # must wait for its router before it knows its misses, as with real routing (a constant
         # would be known before the device computed anything: a perfect lookahead).

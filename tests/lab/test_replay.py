@@ -118,3 +118,28 @@ def test_replayed_ids_wait_for_the_router():
     assert "ArgPartition" in dot.getvalue()
     assert ids.dtype == router.dtype and ids.shape == (1, 5, 4)
     assert (np.array(ids)[0] == trace.ids[3:8, 0]).all()
+
+
+def test_layer_major_prefill_replays_each_chunk_its_own_rows(checkpoints):
+    """A layer-major prefill runs its chunks' forwards side by side (each parked at every
+    streamed layer): each still takes the trace rows that follow the chunk before it, so the
+    prompt routes as stock's chunk-by-chunk prefill does, bitwise."""
+    import importlib
+
+    import mlx.core as mx
+
+    generate = importlib.import_module("mlx_lm.generate")
+    path = checkpoints("qwen3_moe", layers=3, experts=16, top_k=2)
+    trace = random_trace(16, 2, layers=3, rows=300)
+    stock, streamed, handle, replay = load_replayed_pair(path, trace, row=7, slots=4,
+                                                        prefill_step=16, prefill_window=64)
+    prompt = prompt_ids(50, seed=3)[0]
+
+    def steps(model):
+        out = generate.generate_step(prompt, model, max_tokens=4, prefill_step_size=16)
+        return [(int(t), np.array(lp.astype(mx.float32))) for t, lp in out]
+
+    for (a, la), (b, lb) in zip(steps(stock), steps(streamed)):
+        assert a == b and np.array_equal(la, lb)
+    assert handle.prefill.refusal() is None  # the prompt really prefilled layer-major
+    assert [(f.row, f.tokens) for f in replay.log[:4]] == [(7, 16), (23, 16), (39, 16), (55, 1)]
