@@ -27,6 +27,9 @@ log = logging.getLogger("expert_stream")
 
 # Outputs a layer keeps pinned before it evaluates the older ones (ExpertStore.pin).
 PIN_BOUND = 4
+# A layer's pinned outputs past this size (a prefill chunk's: tokens x top_k x hidden) are
+# evaluated at once: held till the layer's next call, every layer's would stay in memory together.
+PIN_BYTES = 2 << 20
 
 
 class PendingReads:
@@ -46,6 +49,7 @@ class ExpertStore:
         self.slots = slots
         self.reader = reader
         self.pending: list[mx.array] = []  # outputs not known to be evaluated; they pin slots
+        self.pending_bytes = 0  # their size, about (pin's bound)
         self.prefetching: PendingReads | None = None  # the previous layer's lookahead reads
         self.in_flight: list[PendingReads] = []  # reads this store started and did not finish
         self.last_guesses: list[tuple[int, np.ndarray]] = []  # (depth, guess) of earlier layers, to score
@@ -65,15 +69,24 @@ class ExpertStore:
         overwrite those slots before they are (`settle`). Bounded: past PIN_BOUND the older
         ones are evaluated and let go (in decode they already are, after the routing sync: an
         eval of evaluated arrays costs about a microsecond), so calls that all hit hold no
-        outputs (and their memory) without end."""
+        outputs (and their memory) without end; past PIN_BYTES all are evaluated at once."""
         self.pending.extend(outputs)
-        if len(self.pending) > PIN_BOUND:
+        self.pending_bytes += outputs[-1].nbytes * len(outputs)
+        if self.pending_bytes > PIN_BYTES:
+            self.settle()
+        elif len(self.pending) > PIN_BOUND:
             mx.eval(self.pending[:-1])
             self.pending = self.pending[-1:]
+            self.pending_bytes = self.pending[0].nbytes
+
+    def hold(self, outputs) -> None:
+        """Outputs of the call running now, pinned until the call evaluates them (`unpin`)."""
+        self.pending.extend(outputs)
 
     def unpin(self) -> None:
         """The caller evaluated every pinned output."""
         self.pending = []
+        self.pending_bytes = 0
 
     def settle(self) -> None:
         """Evaluate pending outputs of this layer: after this no graph reads its slots. Not
@@ -81,6 +94,7 @@ class ExpertStore:
         if self.pending:
             mx.eval(self.pending)
             self.pending = []
+        self.pending_bytes = 0
 
     def sync(self, arrays) -> None:
         """Evaluate `arrays`, the compute thread waiting for the device: counted per layer, since

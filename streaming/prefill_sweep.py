@@ -111,7 +111,7 @@ class PrefillSweep:
         if resident.size:
             y = pairs(resident, from_cache, cache.num_slots)
             mx.async_eval(y)
-            store.pin(y)
+            store.hold(y)
 
         batch_size = self.scratch.batch
         buffers = self.scratch.buffers(store.slots.tensors) if cold.size else []

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from expert_stream.streaming.footprint import checkpoint_footprint
 
 MB = 1 << 20
@@ -85,3 +87,89 @@ def test_mostly_hit_decode_holds_a_bounded_number_of_outputs(checkpoints):
     assert totals["hits"] > 10 * totals["misses"]  # mostly hits: the case that piled up
     assert most <= PIN_BOUND
     handle.close()
+
+
+@pytest.mark.parametrize("window", [0, 32768], ids=["per-chunk", "layer-major"])
+def test_a_prefill_leaves_no_layer_holding_its_outputs(checkpoints, monkeypatch, window):
+    """A prefill chunk's outputs (tokens x top_k x hidden a layer) are let go once evaluated: held
+    until each layer's next call, every layer's stayed in memory at once (a 2048-token pass
+    held 8 MiB a layer on a hidden-128 model; 128 MiB a chunk and layer on a Qwen3-235B shape).
+    PIN_BYTES is lowered so the suite's small model's chunks pass it; logits stay stock's."""
+    import importlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from exactness import load_pair, prompt_ids
+    from expert_stream.streaming import expert_store
+
+    monkeypatch.setattr(expert_store, "PIN_BYTES", 16 << 10)
+    path = checkpoints("qwen3_moe", layers=2)
+    stock, streamed, handle = load_pair(path, prefill_step=40, prefill_window=window, prefetch=False,
+                                        online_budget=False)
+    generate = importlib.import_module("mlx_lm.generate")
+    held = []
+
+    def after_prefill(done, total):
+        if done == total:
+            held.append(max(sum(a.nbytes for a in s.pending) for s in handle.streams))
+
+    prompt = prompt_ids(142, seed=5)[0]
+    runs = [[np.array(lp) for _, lp in generate.generate_step(prompt, model, max_tokens=2, prefill_step_size=40,
+                                                              prompt_progress_callback=cb)]
+            for model, cb in ((stock, None), (streamed, after_prefill))]
+    config = json.loads((path / "config.json").read_text())
+    chunk_output = 40 * config["num_experts_per_tok"] * config["hidden_size"] * 4  # float32
+    assert 2 * chunk_output > expert_store.PIN_BYTES  # two chunks' outputs pass the bound
+    assert held and held[0] <= expert_store.PIN_BYTES
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+    handle.close()
+
+
+PREFILL_CHILD = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import mlx.core as mx
+    import numpy as np
+    import expert_stream
+    from expert_stream.streaming import decode_paths
+    sys.path.insert(0, sys.argv[4])
+    from rss_sampler import PeakRSS
+    decode_paths.PASS_CACHE_BYTES = int(sys.argv[5])
+    model, _, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]), prefill_step=1024,
+                                          prefill_window=int(sys.argv[3]), prefetch=False, online_budget=False)
+    prompt = mx.array(np.random.default_rng(0).integers(3, 500, 4097), dtype=mx.int32)
+    generate = importlib.import_module("mlx_lm.generate")
+    with PeakRSS() as m:
+        for token, _ in generate.generate_step(prompt, model, max_tokens=1, prefill_step_size=1024):
+            mx.eval(token)
+    print(json.dumps({"grown": m.grown, "token_bytes": handle.prefill.token_bytes,
+                      "sweeps": handle.stats()["totals"]["sweep_calls"]}))
+    """
+)
+
+
+def test_layer_major_prefill_peak_rss_is_per_chunk_plus_the_activation_term(checkpoints):
+    """A 4096-token prefill in one layer-major pass grows RSS by no more than the per-chunk
+    sweep's growth plus `plan`'s activation term for the pass and the buffer cache a pass keeps
+    (lowered here to 32 MiB so this small model's chunks pass it). It once held every chunk's
+    outputs in every layer and MLX's cache of every chunk's attention temporaries: +1.1 GiB over
+    the per-chunk sweep's peak at 8192 tokens where the term is 80 MiB."""
+    path = checkpoints("qwen3_moe", layers=4, experts=64, top_k=8)
+    fp = checkpoint_footprint(path)
+    budget = 0.25 * fp.expert_bytes / (1 << 30)
+    cache_kept = 32 * MB
+    runs = {}
+    for window in (0, 32768):
+        out = subprocess.run(
+            [sys.executable, "-c", PREFILL_CHILD, str(path), str(budget), str(window),
+             str(Path(__file__).resolve().parents[1]), str(cache_kept)],
+            capture_output=True, text=True, timeout=600, check=True,
+        )
+        runs[window] = json.loads(out.stdout.strip().splitlines()[-1])
+    per_chunk, layer_major = runs[0], runs[32768]
+    term = layer_major["token_bytes"] * 4096
+    print(f"RSS grew {per_chunk['grown'] / MB:.0f} MiB per chunk, {layer_major['grown'] / MB:.0f} MiB "
+          f"layer-major; activation term {term / MB:.0f} MiB")
+    assert layer_major["sweeps"] < per_chunk["sweeps"]  # one sweep a layer against one a chunk
+    assert layer_major["grown"] <= per_chunk["grown"] + term + cache_kept + 32 * MB
