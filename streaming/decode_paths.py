@@ -26,9 +26,6 @@ from .expert_calls import ExpertCompute, stitch, token_rows, unflatten_pairs
 from .expert_store import ExpertStore
 
 
-# MLX's buffer cache a prompt pass keeps between its chunks' syncs (route_chunks).
-PASS_CACHE_BYTES = 256 << 20
-
 
 def stock_sorts(indices_size: int) -> bool:
     """Stock SwitchGLU's rule. We evaluate it on the call's whole index array, never on a
@@ -82,13 +79,12 @@ def route_chunks(store: ExpertStore, indices: list[mx.array]) -> list[RoutedCall
     """`route` for a prompt pass's chunks at one layer (no lookahead: guesses are a decode
     token's). One sync per chunk, in chunk order: evaluated together, MLX would hold every
     chunk's attention temporaries at once; one at a time, the peak is stock's one chunk. Each
-    later chunk's temporaries are larger (more keys), so MLX's buffer cache cannot reuse the
-    earlier ones: past PASS_CACHE_BYTES it is emptied, as stock's loop empties it per chunk."""
+    later chunk's temporaries are larger (more keys), so MLX's buffer cache could not reuse the
+    earlier ones and kept them all: it is emptied after each chunk, as stock's loop empties it."""
     store.await_prefetch()
     for ind in indices:
         store.sync(ind)
-        if mx.get_cache_memory() > PASS_CACHE_BYTES:
-            mx.clear_cache()
+        mx.clear_cache()
     calls = []
     for ind in indices:
         ids = np.array(ind)

@@ -43,9 +43,8 @@ PER_CHUNK_FAMILIES: dict[str, str] = {
 
 log = logging.getLogger("expert_stream")
 
-# Kept free beside a pass's activations: the allocator's slack and MLX's buffer cache (at most
-# decode_paths.PASS_CACHE_BYTES), the attention temporaries of the one chunk evaluated at a time
-# (decode_paths.route_chunks), the scratch buffers' growth.
+# Kept free beside a pass's activations: the allocator's slack, the attention temporaries of
+# the one chunk evaluated at a time (decode_paths.route_chunks), the scratch buffers' growth.
 PASS_MARGIN_BYTES = 512 << 20
 
 

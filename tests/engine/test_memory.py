@@ -132,10 +132,8 @@ PREFILL_CHILD = textwrap.dedent(
     import mlx.core as mx
     import numpy as np
     import expert_stream
-    from expert_stream.streaming import decode_paths
     sys.path.insert(0, sys.argv[4])
     from rss_sampler import PeakRSS
-    decode_paths.PASS_CACHE_BYTES = int(sys.argv[5])
     model, _, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]), prefill_step=1024,
                                           prefill_window=int(sys.argv[3]), prefetch=False, online_budget=False)
     prompt = mx.array(np.random.default_rng(0).integers(3, 500, 4097), dtype=mx.int32)
@@ -151,19 +149,17 @@ PREFILL_CHILD = textwrap.dedent(
 
 def test_layer_major_prefill_peak_rss_is_per_chunk_plus_the_activation_term(checkpoints):
     """A 4096-token prefill in one layer-major pass grows RSS by no more than the per-chunk
-    sweep's growth plus `plan`'s activation term for the pass and the buffer cache a pass keeps
-    (lowered here to 32 MiB so this small model's chunks pass it). It once held every chunk's
-    outputs in every layer and MLX's cache of every chunk's attention temporaries: +1.1 GiB over
-    the per-chunk sweep's peak at 8192 tokens where the term is 80 MiB."""
+    sweep's growth plus `plan`'s activation term for the pass (and 64 MiB of allocator slack).
+    It once held every chunk's outputs in every layer and MLX's cache of every chunk's attention
+    temporaries: +709 MiB over the per-chunk sweep's peak at 8192 tokens, the term 80 MiB."""
     path = checkpoints("qwen3_moe", layers=4, experts=64, top_k=8)
     fp = checkpoint_footprint(path)
     budget = 0.25 * fp.expert_bytes / (1 << 30)
-    cache_kept = 32 * MB
     runs = {}
     for window in (0, 32768):
         out = subprocess.run(
             [sys.executable, "-c", PREFILL_CHILD, str(path), str(budget), str(window),
-             str(Path(__file__).resolve().parents[1]), str(cache_kept)],
+             str(Path(__file__).resolve().parents[1])],
             capture_output=True, text=True, timeout=600, check=True,
         )
         runs[window] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -172,4 +168,4 @@ def test_layer_major_prefill_peak_rss_is_per_chunk_plus_the_activation_term(chec
     print(f"RSS grew {per_chunk['grown'] / MB:.0f} MiB per chunk, {layer_major['grown'] / MB:.0f} MiB "
           f"layer-major; activation term {term / MB:.0f} MiB")
     assert layer_major["sweeps"] < per_chunk["sweeps"]  # one sweep a layer against one a chunk
-    assert layer_major["grown"] <= per_chunk["grown"] + term + cache_kept + 32 * MB
+    assert layer_major["grown"] <= per_chunk["grown"] + term + 64 * MB
