@@ -212,6 +212,7 @@ class PromptPrefill:
                 self._advance(before + tokens * min(done_layers, len(self.layers)) // (len(self.layers) + 1), on_progress,
                               total)
                 parked = [r.switch(y) for r, y in zip(runners, ys)]
+                del ys  # else this layer's outputs outlive the next layer's sweep: one more top_k term
         finally:
             for layer in self.layers:
                 object.__setattr__(layer, "prompt_pass", None)

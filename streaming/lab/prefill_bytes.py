@@ -34,8 +34,6 @@ def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: f
     """One prefill of `tokens` random tokens: bytes read before the first decode step, the
     one-pass bytes of its routing, the seconds to the first token, and the memory it took:
     the process's peak RSS over its RSS after loading, beside the terms that bound it."""
-    import mlx.core as mx
-
     import expert_stream
     from expert_stream.streaming.footprint import checkpoint_footprint
 
