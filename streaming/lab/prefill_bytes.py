@@ -12,6 +12,8 @@ prompt (its peak over its loaded model: KV and its one chunk's temporaries).
 
 Without MODEL_DIR a float32 synthetic qwen3_moe checkpoint is written to a temporary folder
 (random routing: each chunk touches nearly every expert, the worst case for the per-chunk path).
+`--text FILE` takes the prompt from a text file (its first tokens by the model's tokenizer): a
+trained checkpoint's own router on real text instead of random ids.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import numpy as np
 BUDGET_FRACTION = 0.25  # the issue's figure: a budget of a quarter of the expert bytes
 
 
-def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: float = BUDGET_FRACTION) -> dict:
+def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: float = BUDGET_FRACTION,
+                    text: Path | None = None) -> dict:
     """One prefill of `tokens` random tokens: bytes read before the first decode step, the
     one-pass bytes of its routing, the seconds to the first token, and the memory it took:
     the process's peak RSS over its RSS after loading, beside the terms that bound it."""
@@ -49,7 +52,7 @@ def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: f
             at_end["bytes"] = handle.stats()["totals"]["bytes_read"]
 
     with handle.recording() as rec:
-        seconds = _generate(model, tokens, step, progress)
+        seconds = _generate(model, _prompt(path, tokens, text), step, progress)
     size = {p.path: p.expert_bytes for p in handle.plans}
     ids = rec.trace().ids[: tokens - 1]
     one_pass = sum(np.unique(ids[:, i]).size * size[s.name] for i, s in enumerate(handle.streams))
@@ -62,7 +65,7 @@ def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: f
             "loaded_rss": loaded, "peak_over_loaded": _peak_rss() - loaded, "terms": terms}
 
 
-def stock_figures(path: Path, tokens: int, step: int) -> dict:
+def stock_figures(path: Path, tokens: int, step: int, text: Path | None = None) -> dict:
     """Stock mlx-lm's prefill of the same prompt, every expert loaded: its seconds and its peak
     RSS over its RSS after loading (what its own prefill holds: KV, one chunk's temporaries)."""
     import mlx.core as mx
@@ -71,16 +74,28 @@ def stock_figures(path: Path, tokens: int, step: int) -> dict:
     model, _ = load_model(path)
     mx.eval(model.parameters())
     loaded = _rss()
-    seconds = _generate(model, tokens, step, lambda *_: None)
+    seconds = _generate(model, _prompt(path, tokens, text), step, lambda *_: None)
     return {"tokens": tokens, "path": "stock", "ttft_s": seconds, "loaded_rss": loaded,
             "peak_over_loaded": _peak_rss() - loaded}
 
 
-def _generate(model, tokens: int, step: int, progress) -> float:
+def _prompt(path: Path, tokens: int, text: Path | None):
+    """`tokens` prompt ids: random ones, or the text file's first ones by the model's tokenizer."""
+    import mlx.core as mx
+
+    if text is None:
+        return mx.array(np.random.default_rng(tokens).integers(3, 500, tokens), dtype=mx.int32)
+    from mlx_lm.utils import load_tokenizer
+
+    from .teacher_forced import corpus_tokens
+
+    return mx.array(corpus_tokens(text, load_tokenizer(Path(path)), tokens, 0))
+
+
+def _generate(model, prompt, step: int, progress) -> float:
     import mlx.core as mx
 
     generate = importlib.import_module("mlx_lm.generate")
-    prompt = mx.array(np.random.default_rng(tokens).integers(3, 500, tokens), dtype=mx.int32)
     t0 = time.perf_counter()
     for token, _ in generate.generate_step(prompt, model, max_tokens=1, prefill_step_size=step,
                                            prompt_progress_callback=progress):
@@ -113,7 +128,10 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument("--window", type=int, default=32768, help="prefill_window of the layer-major runs")
     parser.add_argument("--stock", action="store_true", help="also stock mlx-lm's prefill (every expert loaded)")
+    parser.add_argument("--text", type=Path, help="take the prompt from this text file (needs MODEL_DIR's tokenizer)")
     args = parser.parse_args(argv)
+    if args.text and not args.model_dir:
+        parser.error("--text needs MODEL_DIR: the prompt's tokens are the model's tokenizer's")
     mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model_dir) if args.model_dir else _synthetic(Path(tmp) / "model")
@@ -121,11 +139,11 @@ def main(argv=None) -> None:
               f"{'peak over loaded MiB':>21}  terms MiB (slots + KV + activations)")
         for tokens in args.tokens:
             if args.stock:
-                r = _in_child(stock_figures, path, tokens, args.prefill_step)
+                r = _in_child(stock_figures, path, tokens, args.prefill_step, args.text)
                 print(f"{tokens:>7} {'stock':>12} {'':>14} {'':>14} {'':>6} {r['ttft_s']:>8.1f} "
                       f"{r['peak_over_loaded'] / mib:>21.0f}")
             for window in (0, args.window):
-                r = _in_child(prefill_figures, path, tokens, window, args.prefill_step)
+                r = _in_child(prefill_figures, path, tokens, window, args.prefill_step, BUDGET_FRACTION, args.text)
                 t = r["terms"]
                 print(f"{r['tokens']:>7} {r['path']:>12} {r['bytes']:>14,} {r['one_pass_bytes']:>14,} "
                       f"{r['ratio']:>6.2f} {r['ttft_s']:>8.1f} {r['peak_over_loaded'] / mib:>21.0f}  "
