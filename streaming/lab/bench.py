@@ -63,6 +63,12 @@ class BenchConfig:
     warmup_steps: int = WARMUP_DECODE_STEPS  # decode steps of the warm-up before each timed run
 
 
+def _rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def peak_rss_bytes() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
@@ -231,8 +237,10 @@ class _Watch:
         self.reader = (0, 0.0)
         self.caches = None  # recorded_sim.CacheState per layer
         self.recorded_rows = 0
+        self.rss_first = 0
 
     def first(self) -> None:
+        self.rss_first = _rss_now()
         self.stats = self.handle.stats()
         self.reader = (self.handle.reader.total_bytes, self.handle.reader.total_seconds)
         if self.recorder is not None:
@@ -341,6 +349,8 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
                                     replayed=routing is not None),
         reads=read_figures(per_layer, decode_tokens),
         peak_rss_gb=peak_rss_bytes() / 1e9,
+        # RSS after the timed decode over RSS at its first token: a leak shows here (KV included)
+        decode_rss_growth_mb=(_rss_now() - watch.rss_first) / 2**20,
     )
     if routing:
         report["routing"] = routing.report(replay, handle)
