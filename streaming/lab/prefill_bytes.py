@@ -34,9 +34,10 @@ BUDGET_FRACTION = 0.25  # the issue's figure: a budget of a quarter of the exper
 
 def prefill_figures(path: Path, tokens: int, window: int, step: int, fraction: float = BUDGET_FRACTION,
                     text: Path | None = None) -> dict:
-    """One prefill of `tokens` random tokens: bytes read before the first decode step, the
-    one-pass bytes of its routing, the seconds to the first token, and the memory it took:
-    the process's peak RSS over its RSS after loading, beside the terms that bound it."""
+    """One prefill of `tokens` prompt tokens (random, or `text`'s first): bytes read before the
+    first decode step, the one-pass bytes of its routing, the seconds to the first token, and the
+    memory it took: the process's peak RSS over its RSS after loading, beside the terms that
+    bound it."""
     import expert_stream
     from expert_stream.streaming.footprint import checkpoint_footprint
 
