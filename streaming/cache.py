@@ -48,6 +48,8 @@ class LayerStats:
     prefetch_reads: int = 0  # reads of guessed experts issued by the lookahead
     prefetch_hits: int = 0  # of those, experts a later call used before eviction
     guess_buffer_hits: int = 0  # of those, misses whose bytes came from the side buffer (no read then)
+    readahead_reads: int = 0  # experts a prompt pass read as a chunk's routing arrived (prefill_readahead_gib)
+    readahead_hits: int = 0  # misses whose bytes came from those reads (no read then)
     guesses: int = 0  # experts the lookahead guessed for this layer from the layer before
     guess_hits: int = 0  # of those, experts the layer then used
     far_guesses: int = 0  # experts guessed for this layer from two or more layers before

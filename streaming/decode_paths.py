@@ -80,16 +80,19 @@ def route_chunks(store: ExpertStore, indices: list[mx.array]) -> list[RoutedCall
     token's). One sync per chunk, in chunk order: evaluated together, MLX would hold every
     chunk's attention temporaries at once; one at a time, the peak is stock's one chunk. Each
     later chunk's temporaries are larger (more keys), so MLX's buffer cache could not reuse the
-    earlier ones and kept them all: it is emptied after each chunk, as stock's loop empties it."""
-    store.await_prefetch()
-    for ind in indices:
+    earlier ones and kept them all: it is emptied after each chunk, as stock's loop empties it.
+    As each chunk but the last arrives, the experts it needs start reading (`read_ahead`) while
+    the next chunks' attention computes; they land before the layer computes."""
+    calls = []
+    for n, ind in enumerate(indices, start=1):
         store.sync(ind)
         mx.clear_cache()
-    calls = []
-    for ind in indices:
         ids = np.array(ind)
         store.record(ids)
         calls.append(RoutedCall(ids, np.unique(ids), stock_sorts(ind.size)))
+        if n < len(indices):  # the last chunk's experts have no compute left to hide behind
+            store.read_ahead(calls[-1].needed)
+    store.await_prefetch()
     store.score_guess(np.unique(np.concatenate([c.needed for c in calls])))
     return calls
 

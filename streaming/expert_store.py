@@ -54,6 +54,7 @@ class ExpertStore:
         self.in_flight: list[PendingReads] = []  # reads this store started and did not finish
         self.last_guesses: list[tuple[int, np.ndarray]] = []  # (depth, guess) of earlier layers, to score
         self.guess_pool: GuessPool | None = None  # side buffers for guesses (None: guesses go into slots)
+        self.readahead_pool: GuessPool | None = None  # a prompt pass's rows for routed experts, while it runs
         self.guessed: Guessed | None = None  # this layer's guessed experts in a side buffer
         self._read_on_demand = False  # the current call read from the shards
         self.recorder = None  # TraceRecorder while the handle records routing
@@ -246,8 +247,11 @@ class ExpertStore:
         copied = self.guessed.copy_out(np.asarray(experts), dests)
         n = int(copied.sum())
         stats = self.cache.stats
-        stats.prefetch_hits += n
-        stats.guess_buffer_hits += n
+        if self.guessed.pool.readahead:
+            stats.readahead_hits += n
+        else:
+            stats.prefetch_hits += n
+            stats.guess_buffer_hits += n
         return copied
 
     def _discard(self, reads: PendingReads) -> None:
@@ -286,6 +290,20 @@ class ExpertStore:
             return
         self.guessed.start(self.reader, wanted)
         self.cache.stats.prefetch_reads += int(wanted.size)
+
+    def read_ahead(self, needed: np.ndarray) -> None:
+        """In a prompt pass, once a chunk's routing is on the host: start reading the experts it
+        needs that are neither resident nor already coming into the pass's rows (as many as
+        fit); the layer's sweep copies them from there (`_from_guesses`)."""
+        pool = self.readahead_pool
+        if pool is None or pool.capacity == 0 or (self.guessed is not None and self.guessed.pool is not pool):
+            return
+        if self.guessed is None:
+            self.guessed = Guessed(pool, self.slots.tensors, self.cache.num_experts)
+        wanted = self.guessed.wanted(needed[~self.cache.resident(needed)])[: self.guessed.room]
+        if wanted.size:
+            self.guessed.start(self.reader, wanted)
+            self.cache.stats.readahead_reads += int(wanted.size)
 
     def await_prefetch(self) -> None:
         """Called before this layer computes: the guessed experts' bytes must have landed."""

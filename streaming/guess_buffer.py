@@ -10,6 +10,10 @@ shard: a right guess saves the wait for the read, a wrong one costs its bytes an
 The rows are plain host memory on every backend; the copy goes where a read would have
 written (a slot's bytes in direct mode, staging rows otherwise), so the miss path's commit and
 claim stay as they are.
+
+A prompt pass reads into the same rows (a pool of its own, `readahead`): not guesses but the
+experts a chunk's routing named, read while the later chunks' attention computes, so that the
+layer's sweep copies them instead of waiting for the disk (prompt_pass.py).
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ class GuessPool:
     guess for it is read and gives it back after its call. At most one buffer per guessed layer
     is out at a time (depth + 1 with the lookahead `depth` layers ahead)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, readahead: bool = False):
         self.capacity = capacity  # experts a buffer holds: guesses read per layer per token
+        self.readahead = readahead  # a prompt pass's reads of routed experts, not guesses
         self._free: dict[tuple, list[GuessRows]] = {}
         self.made = 0
 

@@ -53,7 +53,8 @@ class StreamHandle:
         if layers:
             layers[0].clock = self.decode
         self.prefill = PromptPrefill(layers, index.model_type, settings.prefill_window,
-                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams), index.model_dir.name)
+                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams), index.model_dir.name,
+                                     int(settings.prefill_readahead_gib * GIB))
 
     @property
     def model_path(self):

@@ -15,6 +15,11 @@ A prompt longer than the window (tokens whose activations live at once) goes in 
 each of whole chunks. The window is `prefill_window`, or fewer tokens where the memory left under
 the process's limit holds fewer tokens' activations (`activation_bytes`), never less than one
 chunk (stock's own peak).
+
+A layer's reads need not wait for its sweep: its routing reaches the host chunk by chunk, and
+the experts each chunk names start reading into host rows while the later chunks' attention
+computes (`prefill_readahead_gib` of rows, what the memory left beside the window's activations
+holds; decode_paths.route_chunks). Only experts the layer needs are read, each once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from functools import partial
 
 import mlx.core as mx
 from greenlet import GreenletExit, greenlet
+
+from .guess_buffer import GuessPool
+from .slots import expert_bytes
 
 # Families whose stock forward pass cannot be reordered layer-major without changing a bit, and
 # why; they keep one sweep per chunk. Found by tests/engine/test_prompt_pass.py over every preset.
@@ -121,11 +129,14 @@ class PrefillProgress:
 class PromptPrefill:
     """Layer-major prefill of one streamed model (its StreamedSwitch layers in model order)."""
 
-    def __init__(self, layers, model_type: str, window: int, bytes_read, name: str = ""):
+    def __init__(self, layers, model_type: str, window: int, bytes_read, name: str = "", readahead_bytes: int = 0):
         self.layers = layers
         self.name = name or model_type  # the model, for the log
         self.model_type = model_type
         self.window = window  # tokens per pass
+        self.readahead_bytes = readahead_bytes  # host rows for experts read as routing arrives
+        self._expert_bytes = max((expert_bytes(l.store.slots.tensors) for l in layers), default=0)
+        self._most_experts = max((l.store.cache.num_experts for l in layers), default=0)
         self._bytes_read = bytes_read  # () -> the model's expert bytes read so far
         self._lock = threading.Lock()
         self._progress: PrefillProgress | None = None
@@ -144,6 +155,14 @@ class PromptPrefill:
             return self.window
         fits = max(self._room(tokens) - PASS_MARGIN_BYTES, 0) // self.token_bytes
         return min(self.window, max(step, fits // step * step))
+
+    def readahead_for(self, window: int, tokens: int) -> int:
+        """Experts a layer reads ahead of its sweep in a pass of `window` tokens: the rows the
+        setting pays for, or fewer where the memory left beside the pass's activations is short."""
+        nbytes = self.readahead_bytes
+        if self.token_bytes and self._room is not None:
+            nbytes = min(nbytes, self._room(tokens) - PASS_MARGIN_BYTES - min(window, tokens) * self.token_bytes)
+        return int(min(max(nbytes, 0) // max(self._expert_bytes, 1), self._most_experts))
 
     def keep_per_chunk(self, reason: str) -> None:
         """This model prefills chunk by chunk, for `reason` (a pipeline rank)."""
@@ -171,6 +190,10 @@ class PromptPrefill:
             log.info("%s: prefill of %d tokens in passes of %d (prefill_window %d): the memory left holds "
                      "activations of %d bytes a token for that many", self.name, total, window, self.window,
                      self.token_bytes)
+        readahead = self.readahead_for(window, total)
+        pool = GuessPool(readahead, readahead=True) if readahead else None  # freed with the prefill
+        for layer in self.layers:
+            layer.store.readahead_pool = pool
         with self._lock:
             self._progress = PrefillProgress(total, 0, self._bytes_read(), time.monotonic(), window)
         try:
@@ -186,6 +209,8 @@ class PromptPrefill:
                 mx.clear_cache()
                 self._advance(start, on_progress, total)
         finally:
+            for layer in self.layers:
+                layer.store.readahead_pool = None
             with self._lock:
                 self._progress = None
 

@@ -50,6 +50,10 @@ class StreamSettings:
     # Tokens a layer-major prefill holds at once (prompt_pass.py): each streamed layer reads each
     # expert once per this many prompt tokens; 0 prefills chunk by chunk (a sweep per chunk).
     prefill_window: int = 32768
+    # GiB of host rows a prompt pass reads a layer's experts into as each chunk's routing
+    # arrives, while the later chunks' attention still computes (fewer where memory is short);
+    # 0 reads them in the layer's sweep instead.
+    prefill_readahead_gib: float = 0.5
     # Split the budget over layers by measured miss curves (warm-start trace) instead of evenly.
     budget_by_trace: bool = True
     # Move slots between layers while serving, by the hit curves they measure
@@ -177,7 +181,7 @@ MAX_GIB = 1 << 20  # 1 PiB: beyond any machine, below where a byte count stops b
 _RANGES = {"budget_gib": (0, MAX_GIB), "mlx_cache_limit_gib": (0, MAX_GIB), "reader_threads": (1, 256),
            "context_length": (1, 1 << 24),
            "prefetch_per_layer": (0, 4096), "prefetch_depth": (1, 64), "prefetch_guesses": (1, 4096), "prefill_step": (1, 1 << 20),
-           "prefill_window": (0, 1 << 24),
+           "prefill_window": (0, 1 << 24), "prefill_readahead_gib": (0, MAX_GIB),
            "top_k_override": (1, 4096), "skip_miss_below": (0, 1)}
 
 

@@ -127,9 +127,12 @@ def prefill_plan(fp, settings, reserve: int) -> dict:
     per, step = fp.prefill_token_bytes, settings.prefill_step
     window = min(settings.prefill_window, settings.context_length)
     fits = max(reserve - PASS_MARGIN_BYTES, 0) // per if per else window
+    expert = max(fp.layer_expert_bytes, default=0)
+    readahead = min(int(settings.prefill_readahead_gib * GIB) // max(expert, 1), max(fp.num_experts, default=0))
     return {"token_bytes": per, "prefill_window": settings.prefill_window, "prefill_step": step,
             "pass_gib": round(per * window / GIB, 4), "chunk_gib": round(per * min(step, window) / GIB, 4),
             "auto_pass_tokens": min(window, max(step, fits // step * step)),
+            "readahead_experts": readahead, "readahead_gib": round(readahead * expert / GIB, 4),
             "per_chunk": PER_CHUNK_FAMILIES.get(fp.model_type)}
 
 
@@ -208,6 +211,8 @@ def run_plan(args) -> int:
               f"a full pass (stock's one {pre['prefill_step']}-token chunk: {pre['chunk_gib']} GiB); beside auto's "
               f"budget, its MLX cache and headroom hold passes of about {pre['auto_pass_tokens']} tokens; passes "
               "shrink to the memory left, down to one chunk")
+        print(f"          reads ahead up to {pre['readahead_experts']} experts a layer as each chunk's routing "
+              f"arrives ({pre['readahead_gib']} GiB of host rows, prefill_readahead_gib; fewer where memory is short)")
     print(f"disk:     {plan['disk_gbps']} GB/s measured")
     if plan["t_compute_ms"] is None:
         print("compute:  not measured: the trunk and the smallest budget do not fit in memory")

@@ -13,6 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from exactness import load_pair, prompt_ids
 from expert_stream.streaming.prompt_pass import PER_CHUNK_FAMILIES, chunk_sizes, windows
 from test_engine_exact import CASES, _id, skip_unless_runs_here
@@ -78,8 +80,42 @@ def test_layer_major_prefill_is_stock_generate_step(checkpoints, case):
     if layer_major:
         # Each streamed layer swept its experts once for the prompt: one pass of bytes at most.
         assert at_prefill_end["bytes"] <= 1.15 * one_pass_bytes(handle, rec.trace(), tokens - 1)
-        assert handle.stats()["totals"]["sweep_calls"] <= len(handle.layers)  # one sweep per layer, not per chunk
+        totals = handle.stats()["totals"]
+        assert totals["sweep_calls"] <= len(handle.layers)  # one sweep per layer, not per chunk
+        # The chunks' experts were read as their routing arrived, and the sweeps took them from there.
+        assert totals["readahead_hits"] >= totals["readahead_reads"] > 0
     handle.close()
+
+
+def test_readahead_reads_nothing_more_and_stays_exact(checkpoints):
+    """With the readahead off, the same bytes are read, each in the layer's sweep; with it on,
+    most of them while later chunks' attention computed; both stock's, bitwise."""
+    path = checkpoints("qwen3_moe")
+    prompt = prompt_ids(TOKENS, seed=15)[0]
+    stock, on, on_handle = load_pair(path, prefill_step=STEP)
+    _, off, off_handle = load_pair(path, prefill_step=STEP, prefill_readahead_gib=0)
+    expected = generated(stock, prompt)
+    totals = {}
+    for name, model, handle in (("on", on, on_handle), ("off", off, off_handle)):
+        handle.prefill.prefill(model, prompt, make_prompt_cache(model), STEP)
+        totals[name] = handle.stats()["totals"]
+        assert_same(expected, generated(model, prompt))
+        handle.close()
+    assert totals["on"]["bytes_read"] == totals["off"]["bytes_read"] > 0
+    assert totals["on"]["readahead_hits"] > 0 == totals["off"]["readahead_reads"]
+
+
+def test_readahead_rows_shrink_to_the_memory_left(checkpoints):
+    """The rows are what the setting pays for, fewer where the memory left beside the window's
+    activations is short, none where nothing is left."""
+    path = checkpoints("qwen3_moe")
+    _, _, roomy = load_pair(path, prefill_step=STEP)
+    _, _, tight = load_pair(path, prefill_step=STEP, memory_gib=0.001)
+    experts = roomy.streams[0].cache.num_experts
+    assert roomy.prefill.readahead_for(STEP, TOKENS) == experts  # 0.5 GiB holds every expert here
+    assert tight.prefill.readahead_for(STEP, TOKENS) == 0
+    roomy.close()
+    tight.close()
 
 
 def test_chunk_plan_is_stock_loop():

@@ -28,11 +28,14 @@ class FailingReader:
         self.inner = inner
         self.batches = 0
         self.fail_from = None
+        self.only_one = False  # only batch `fail_from` fails: a transient fault
+        self.failed = 0  # batches failed so far
 
     def submit(self, requests):
         self.batches += 1
-        if self.fail_from is None or self.batches < self.fail_from:
+        if self.fail_from is None or self.batches < self.fail_from or self.only_one and self.batches > self.fail_from:
             return self.inner.submit(requests)
+        self.failed += 1
         future = concurrent.futures.Future()
         for _file, _offset, _length, dest in requests:  # what a short read of a changed file leaves
             np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)[:] = 0xA5
@@ -112,4 +115,39 @@ def test_failed_warm_start_reads_leave_no_wrong_slot(checkpoints):
             preload(handle.streams, trace, list(range(len(handle.streams))))
         faulty.fail_from = None
         assert_same_logits(stock, streamed, prompt_ids(9, seed=fail_from), decode_steps=4)
+    handle.close()
+
+
+def test_a_failed_readahead_is_read_again_in_the_sweep(checkpoints):
+    """A layer-major pass reads a chunk's experts as its routing arrives; when such a read fails
+    once, the layer's sweep reads those experts itself: the prompt prefills without an error,
+    stock's bits. A failed read of the sweep's own raises; the next request is stock's."""
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")
+    path = checkpoints("qwen3_moe", layers=3)
+    stock, streamed, handle = load_pair(path, prefill_step=12, prefetch=False)
+    faulty = with_failing_reader(handle)
+    prompt = prompt_ids(49, seed=30)[0]
+
+    def first_steps(model):
+        steps = generate.generate_step(prompt, model, max_tokens=3, prefill_step_size=12)
+        return [np.array(logprobs.astype(mx.float32)) for _, logprobs in steps]
+
+    expected = first_steps(stock)
+    recovered = raised = 0
+    faulty.only_one = True
+    for fail_from in range(1, 13):
+        faulty.batches, faulty.fail_from, faulty.failed = 0, fail_from, 0
+        try:
+            got = first_steps(streamed)
+        except ReadError:
+            raised += 1
+        else:
+            assert all(np.array_equal(a, b) for a, b in zip(expected, got)), f"batch {fail_from} failed: logits differ"
+            recovered += faulty.failed  # only a read ahead may fail without an error: its sweep read again
+        finally:
+            faulty.fail_from = None
+        assert all(np.array_equal(a, b) for a, b in zip(expected, first_steps(streamed)))
+    assert recovered >= 1 and raised >= 1, (recovered, raised)
     handle.close()

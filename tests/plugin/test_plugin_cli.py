@@ -42,6 +42,7 @@ def test_plan_states_the_prefill_activation_term(tmp_path, capsys):
     assert pre["token_bytes"] in (hidden * size * (2 * plan["top_k"] + 4) for size in (2, 4))
     assert pre["pass_gib"] == round(pre["token_bytes"] * 8192 / (1 << 30), 4)
     assert pre["prefill_step"] <= pre["auto_pass_tokens"] <= 8192 and pre["per_chunk"] is None
+    assert 0 < pre["readahead_experts"] and pre["readahead_gib"] <= 0.5
 
 
 def test_plan_predicts_from_compute_and_the_miss_curve(tmp_path, capsys):
