@@ -56,6 +56,11 @@ log = logging.getLogger("expert_stream")
 PASS_MARGIN_BYTES = 512 << 20
 
 
+def readahead_experts(nbytes: int, expert_bytes_: int, most_experts: int) -> int:
+    """Experts a layer's read-ahead rows hold in `nbytes` (never more than a layer has)."""
+    return int(min(max(nbytes, 0) // max(expert_bytes_, 1), most_experts))
+
+
 def activation_bytes(model, config: dict, top_k: int | None) -> int:
     """Bytes a prompt pass holds per token at a streamed layer: the layer's input and the
     residual beside it, the routed pairs' outputs and their stitched copy (2 x top_k), the
@@ -162,7 +167,7 @@ class PromptPrefill:
         nbytes = self.readahead_bytes
         if self.token_bytes and self._room is not None:
             nbytes = min(nbytes, self._room(tokens) - PASS_MARGIN_BYTES - min(window, tokens) * self.token_bytes)
-        return int(min(max(nbytes, 0) // max(self._expert_bytes, 1), self._most_experts))
+        return readahead_experts(nbytes, self._expert_bytes, self._most_experts)
 
     def keep_per_chunk(self, reason: str) -> None:
         """This model prefills chunk by chunk, for `reason` (a pipeline rank)."""

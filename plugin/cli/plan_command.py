@@ -122,13 +122,13 @@ def prefill_plan(fp, settings, reserve: int) -> dict:
     """What a layer-major prefill holds beside the trunk, the slots and the KV cache: its
     activations, per token and for a full pass; and the pass that auto's reserve (MLX cache and
     headroom) holds. Passes shrink at run time to the memory left (streaming/prompt_pass.py)."""
-    from expert_stream.streaming.prompt_pass import PASS_MARGIN_BYTES, PER_CHUNK_FAMILIES
+    from expert_stream.streaming.prompt_pass import PASS_MARGIN_BYTES, PER_CHUNK_FAMILIES, readahead_experts
 
     per, step = fp.prefill_token_bytes, settings.prefill_step
     window = min(settings.prefill_window, settings.context_length)
     fits = max(reserve - PASS_MARGIN_BYTES, 0) // per if per else window
     expert = max(fp.layer_expert_bytes, default=0)
-    readahead = min(int(settings.prefill_readahead_gib * GIB) // max(expert, 1), max(fp.num_experts, default=0))
+    readahead = readahead_experts(int(settings.prefill_readahead_gib * GIB), expert, max(fp.num_experts, default=0))
     return {"token_bytes": per, "prefill_window": settings.prefill_window, "prefill_step": step,
             "pass_gib": round(per * window / GIB, 4), "chunk_gib": round(per * min(step, window) / GIB, 4),
             "auto_pass_tokens": min(window, max(step, fits // step * step)),
