@@ -143,3 +143,18 @@ def test_corpus_runs_variants_on_a_copy_of_the_fixture(gpu_tool, tmp_path):
     assert series["variants"][1]["summary"]["guesses_per_token"] > 0 == series["variants"][0]["summary"]["guesses_per_token"]
     text = (out / "corpus.txt").read_text()
     assert "series.py  off" in text and "series.py  on" in text
+
+
+@pytest.mark.slow  # one bench process, one run, stock off
+@pytest.mark.skipif(not TINY.is_dir(), reason=f"the trained fixture {TINY} is not present")
+def test_corpus_without_variants_reports_its_one_run(gpu_tool, tmp_path):
+    # bench prints a series only for variants; the tool once lost a lone run's report to a KeyError
+    out = tmp_path / "out"
+    corpus = Path(__file__).resolve().parents[2] / "streaming" / "lab" / "series.py"
+    argv = ["corpus", "--out", str(out), "--checkpoint", str(TINY), "--corpus", str(corpus), "--share", "0.25",
+            "--rounds", "1", "--prompt-tokens", "8", "--gen-tokens", "4", "--warmup-steps", "0", "--stock", "no",
+            "--disk-gb", "0.002"]
+    assert gpu_tool.main(argv) == 0
+    (series,) = json.loads((out / "corpus.json").read_text())["series"]
+    (run,) = series["variants"]
+    assert run["name"] == "default" and run["summary"]["misses_per_token"] is not None

@@ -48,7 +48,8 @@ def bench_argv(args, ck: Path, budget: str, cap: float | None) -> list[str]:
             "--stock", args.stock, "--json"]
     for c in args.corpus:
         argv += ["--corpus", str(Path(c).resolve())]
-    for v in args.variant:
+    # bench prints a series (what this reads) only for variants: one run is the variant "default"
+    for v in args.variant or ["default:"]:
         argv += ["--variant", v]
     for s in args.set:
         argv += ["--set", s]
