@@ -20,7 +20,6 @@ import argparse
 import json
 import re
 import shutil
-import struct
 import tempfile
 import time
 from pathlib import Path
@@ -32,31 +31,19 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
 import _resolve_misses
+from expert_stream.streaming.checkpoint import CheckpointIndex
 
 PARTS = [(proj, part) for proj in ("gate_proj", "up_proj", "down_proj") for part in ("weight", "scales", "biases")]
-
-
-def tensor_sources(ck: Path) -> dict:
-    """name -> (shard path, absolute byte offset, shape) for every tensor of the checkpoint."""
-    out = {}
-    for shard in sorted(ck.glob("*.safetensors")):
-        with open(shard, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (str(shard), 8 + n + info["data_offsets"][0], info["shape"])
-    return out
 
 
 class ResolvedSwitch(nn.Module):
     """The stock SwitchGLU on `slots` slot rows, its ids resolved (and misses read) by the primitive."""
 
-    def __init__(self, glu: nn.Module, prefix: str, layer: int, slots: int, sources: dict):
+    def __init__(self, glu: nn.Module, prefix: str, layer: int, slots: int, index: CheckpointIndex):
         super().__init__()
         self.glu = glu
         names = [(p, q) for p, q in PARTS if q in getattr(glu, p)]
-        tensors, row_bytes, files, offsets, paths = [], [], [], [], []
+        tensors, row_bytes, files, offsets = [], [], [], []
         experts = getattr(glu, names[0][0])[names[0][1]].shape[0]
         for proj, part in names:
             full = getattr(glu, proj)[part]
@@ -65,17 +52,15 @@ class ResolvedSwitch(nn.Module):
         mx.eval(tensors)
         for e in range(experts):
             for (proj, part), rb in zip(names, row_bytes):
-                path, offset, _ = sources[f"{prefix}.{proj}.{part}"]
-                if path not in paths:
-                    paths.append(path)
-                files.append(paths.index(path))
-                offsets.append(offset + e * rb)
+                info = index.tensors[f"{prefix}.{proj}.{part}"]
+                files.append(info.file)
+                offsets.append(info.start + e * rb)
         for (proj, part), t in zip(names, tensors):  # the stock tensors go: the slot rows are all it holds
             getattr(glu, proj)[part] = t
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "slot_tensors", tensors)
         object.__setattr__(self, "table", _resolve_misses.LayerSlots(layer, experts, slots, row_bytes, files,
-                                                                     offsets, paths))
+                                                                     offsets, [str(f) for f in index.files]))
 
     def __call__(self, x, indices):
         slots, *tensors = _resolve_misses.resolve(indices.astype(mx.uint32), self.slot_tensors, self.table)
@@ -86,13 +71,13 @@ class ResolvedSwitch(nn.Module):
 
 def resolved_model(ck: Path, slots: int):
     model, _ = load_model(ck)
-    sources = tensor_sources(ck)
+    index = CheckpointIndex(ck)
     switches = []
     for i, layer in enumerate(model.layers):
         glu = getattr(layer.mlp, "switch_mlp", None)
         if glu is None:
             continue
-        layer.mlp.switch_mlp = ResolvedSwitch(glu, f"model.layers.{i}.mlp.switch_mlp", i, slots, sources)
+        layer.mlp.switch_mlp = ResolvedSwitch(glu, f"model.layers.{i}.mlp.switch_mlp", i, slots, index)
         switches.append(layer.mlp.switch_mlp)
     mx.clear_cache()
     return model, switches
@@ -151,11 +136,9 @@ def engine_model(ck: Path, slots: int):
 
 def fault(ck_copy: Path, model, switches, tokens: list[int]) -> dict:
     """Cut the first shard after its header, decode on until a miss reads there: the error, the slot."""
-    shard = sorted(ck_copy.glob("*.safetensors"))[0]
-    with open(shard, "rb") as f:
-        keep = 8 + struct.unpack("<Q", f.read(8))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(keep)
+    index = CheckpointIndex(ck_copy)
+    with open(index.files[0], "r+b") as f:
+        f.truncate(min(t.start for t in index.tensors.values() if t.file == 0))
     cache = make_prompt_cache(model)
     error = None
     for t in tokens:
