@@ -79,6 +79,9 @@ class StatusCollector:
             rates = model.get("rates") or {}
             per_model.add("decode_tokens_per_second", "Decode speed over the last minute of samples "
                           "(0 when nothing was decoded in it)", name, rates.get("tokens_per_second") or 0.0)
+            per_model.add("decode_path_native", "1 where decode tokens resolve their routing inside the graph "
+                          "(decode_path native), 0 on the Python path", name,
+                          int((model.get("stats") or {}).get("decode_path") == "native"))
             prefill = (model.get("stats") or {}).get("prefill") or {}  # a long prompt in progress: not stuck
             for field, text in PREFILL_GAUGES.items():
                 per_model.add(f"prefill_{field}", text, name, prefill.get(field, 0))

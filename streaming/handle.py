@@ -49,11 +49,12 @@ class StreamHandle:
         self.budget = budget  # ModelBudget
         self._lock = threading.Lock()
         self._closed = False
-        self.decode = DecodeClock(lambda: sum(s.cache.stats.bytes_read for s in self.streams))
+        self.decode_path = ("python", "")  # (the decode path serving, why not native where asked); set at load
+        self.decode = DecodeClock(self._bytes_read)
         if layers:
             layers[0].clock = self.decode
         self.prefill = PromptPrefill(layers, index.model_type, settings.prefill_window,
-                                     lambda: sum(s.cache.stats.bytes_read for s in self.streams), index.model_dir.name,
+                                     self._bytes_read, index.model_dir.name,
                                      int(settings.prefill_readahead_gib * GIB))
 
     @property
@@ -97,12 +98,26 @@ class StreamHandle:
         if self.online_budget is not None:
             self.online_budget.apply_all()
 
+    def _layer_stats(self, layer) -> dict:
+        """A layer's counters, with the native decode path's not yet folded into them."""
+        stats = layer.store.cache.stats.as_dict()
+        if layer.native is not None and layer.native.active:
+            for key, value in layer.native.unfolded().items():
+                stats[key] += value
+        return stats
+
+    def _bytes_read(self) -> int:
+        """The model's expert bytes read so far (the decode clock asks once a token)."""
+        return sum(layer.store.cache.stats.bytes_read + (layer.native.unfolded_bytes() if layer.native else 0)
+                   for layer in self.layers)
+
     def stats(self) -> dict:
         """Totals and per-layer counters (hits, misses, evictions, bytes, read seconds)."""
-        layers = {s.name: s.cache.stats.as_dict() | {"slots": s.cache.num_slots} for s in self.streams}
+        per_layer = [self._layer_stats(layer) for layer in self.layers]
+        layers = {s.name: st | {"slots": s.cache.num_slots} for s, st in zip(self.streams, per_layer)}
         totals = LayerStats()
-        for s in self.streams:
-            for key, value in s.cache.stats.as_dict().items():
+        for st in per_layer:
+            for key, value in st.items():
                 setattr(totals, key, getattr(totals, key) + value)
         total = totals.as_dict()
         uses = total["hits"] + total["misses"]
@@ -113,6 +128,8 @@ class StreamHandle:
             "streamed_layers": len(self.streams),
             "resident_layers": sum(p.resident for p in self.plans),
             "slot_bytes": self.budget_bytes,
+            "decode_path": self.decode_path[0],
+            "decode_path_note": self.decode_path[1],  # why the Python path serves where native was asked
             "reader": self.reader.backend,
             "cache_bypass": self.reader.cache_bypass,
             "warm_start_bytes": self.warm_start_bytes,
@@ -138,8 +155,10 @@ class StreamHandle:
                 s.recorder = None
 
     def reset_stats(self) -> None:
-        for s in self.streams:
-            s.cache.stats = LayerStats()
+        for layer in self.layers:
+            layer.store.cache.stats = LayerStats()
+            if layer.native is not None:
+                layer.native.reset()
         self.decode.reset()
         for layer in self.layers:
             for lookahead in layer.lookaheads:

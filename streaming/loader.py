@@ -35,6 +35,7 @@ from .expert_layout import expert_tensors
 from .expert_store import ExpertStore
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
+from .native_decode import link_native
 from .online_budget import OnlineBudget
 from .guess_buffer import GuessPool
 from .prefill_sweep import ScratchPool
@@ -205,7 +206,12 @@ def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, 
             continue  # stays a stock block; its lazy tensors load with the trunk
         layers.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode, spec, scratch))
     streams = [layer.store for layer in layers]
-    if resolve_prefetch(settings.prefetch):
+    native_why = None  # decode_path native: "" where it serves, else why the Python path does
+    if settings.decode_path == "native" and layers:
+        native_why = link_native(layers, index, reader.cache_bypass)
+        if native_why:
+            log.warning("%s: decode_path native: %s; the Python decode path serves", index.model_dir.name, native_why)
+    if resolve_prefetch(settings.prefetch) and native_why != "":
         _link_lookahead(model, layers, spec, top_k, settings)
     full = [s for s in streams if s.cache.num_slots == s.cache.num_experts]
     warm_bytes = preload_all(full)  # a slot for every expert: load them now, as stock would
@@ -224,6 +230,7 @@ def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, 
         " (auto)" if budget.auto else "",
     )
     handle = StreamHandle(index, settings, layers, plans, reader, model, warm_bytes, budget)
+    handle.decode_path = ("native" if native_why == "" else "python", native_why or "")
     LEDGER.add(handle, fp.trunk_bytes + fp.kv.bytes_for(budget.context_length))
     handle.prefill.size_by(fp.prefill_token_bytes, partial(_prefill_room, handle, fp.kv, memory))
     return handle

@@ -125,6 +125,8 @@ class OnlineBudget:
 
     def _resize(self, layer, slots: int) -> None:
         stream = layer.store
+        if layer.native is not None:
+            layer.native.hand_back()  # no resolution may still run on the table being resized
         stream.await_prefetch()  # its bytes land in the current arrays
         stream.reap()
         self.moves += abs(slots - stream.cache.num_slots)

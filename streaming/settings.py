@@ -70,6 +70,10 @@ class StreamSettings:
     slot_write: str = "auto"
     # Compute the resident experts of a decode step while its misses are read.
     overlap: bool = True
+    # How a decode token's routing reaches the slots: "python" (the routing comes to the host
+    # once a layer) or "native" (resolved inside the graph by native/resolve.cpp, no host wait;
+    # MLX's CPU backend only so far, LRU, no lookahead or rebalancing: streaming/README.md).
+    decode_path: str = "python"
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
     # Tokens of KV cache an auto budget leaves room for (a host's own context length wins).
@@ -108,6 +112,9 @@ class StreamSettings:
         _check_choice("cache_bypass", self.cache_bypass, ("auto", "direct", "fadvise", "nocache", "none"))
         _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "cuda", "copy"))
         _check_choice("prefetch_into", self.prefetch_into, ("buffer", "slots"))
+        _check_choice("decode_path", self.decode_path, ("python", "native"))
+        if self.decode_path == "native":
+            _check_native(self)
         if self.prefetch_depth < 1:
             raise SettingsError("prefetch_depth must be >= 1")
         if self.top_k_override is not None and self.top_k_override < 1:
@@ -190,6 +197,21 @@ def _check_ranges(settings) -> None:
         value = getattr(settings, name)
         if value is not None and value != AUTO and not low <= value <= high:
             raise SettingsError(f"{name} must be between {low} and {high}, got {value!r}")
+
+
+def _check_native(settings) -> None:
+    """decode_path native resolves misses with LRU inside the graph, where no routing reaches the
+    host: what needs it there is refused by name, not left silently off."""
+    needs = {
+        "policy": (settings.policy == "lru", "its misses are resolved with LRU: set policy: lru"),
+        "prefetch": (settings.prefetch is not True, "the lookahead guesses from routing on the host: leave prefetch unset"),
+        "online_budget": (not settings.online_budget, "rebalancing measures hit curves from routing on the host: "
+                                                      "set online_budget: false (budget changes still move slots)"),
+        "skip_miss_below": (settings.skip_miss_below is None, "skipping a miss needs its routing weight on the host"),
+    }
+    for name, (ok, why) in needs.items():
+        if not ok:
+            raise SettingsError(f"decode_path native: {name} {getattr(settings, name)!r} does not go with it; {why}")
 
 
 def _check_choice(name, value, choices):

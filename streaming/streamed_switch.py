@@ -41,6 +41,7 @@ class StreamedSwitch(nn.Module):
         self.floor = None  # the benchmark's ComputeFloor while it times compute alone
         self.online_budget = None  # OnlineBudget moving slots between layers (set by the loader)
         self.path_taken = None  # the path object of the latest call
+        self.native = None  # native_decode.NativeDecode (decode_path native, where it serves)
         self.clock = None  # decode_clock.DecodeClock on the model's first streamed layer (set by its handle)
         # prompt_pass's park while a layer-major prefill runs: calls wait for the other chunks
         object.__setattr__(self, "prompt_pass", None)
@@ -70,6 +71,14 @@ class StreamedSwitch(nn.Module):
         if path is not None:
             self.path_taken = path
             return path(x, indices)
+        native = self.native
+        if native is not None:
+            if indices.size == indices.shape[-1]:
+                if self.store.recorder is not None:
+                    self.store.record(indices)  # left on the device: the recorder reads it later
+                self.path_taken = native
+                return native(x, indices)
+            native.hand_back()  # a multi-token call (a verify pass, a prompt chunk): the Python path
         store = self.store
         store.reap()
         try:
@@ -97,6 +106,8 @@ class StreamedSwitch(nn.Module):
         if path is not None:
             self.path_taken = path
             return [path(x, i) for x, i in zip(xs, indices)]
+        if self.native is not None:
+            self.native.hand_back()
         store = self.store
         store.reap()
         try:

@@ -20,3 +20,5 @@ def print_stats(report: dict) -> None:
           f"{totals['evictions']} evictions)")
     print(f"reads:     {totals['bytes_read'] / GB:.3f} GB in {totals['read_seconds']:.2f} s waited "
           f"(reader {stats['reader']}, page cache {stats['cache_bypass']})")
+    note = f" ({stats['decode_path_note']})" if stats.get("decode_path_note") else ""
+    print(f"decode:    {stats.get('decode_path', 'python')} path{note}, {totals['syncs']} host waits for routing")

@@ -49,6 +49,10 @@ def model_line(model_id: str, model: dict) -> str:
                      f"{totals['bytes_read'] / 1e9:.3f} GB read")
             if held:
                 line += f", {held} of {layers} MoE layers hold every expert"
+        if stats.get("decode_path") == "native":
+            line += ", decode resolved in the graph (native)"
+        elif stats.get("decode_path_note"):
+            line += f", decode on the Python path ({stats['decode_path_note']})"
     else:
         line += ", stock"
     if model.get("error"):

@@ -4,7 +4,10 @@ token's on tiny experts) and the Python-visible calls it makes (`sys.setprofile`
 c_call events), for a call whose experts all sit in slots and for one with a miss, beside stock
 `SwitchGLU` on the same checkpoint.
 
-    python -m expert_stream.streaming.lab.layer_cost [--policy default] [--calls 400]
+    python -m expert_stream.streaming.lab.layer_cost [--policy default] [--calls 400] [--decode-path native]
+
+With `--decode-path native` (policy lru) a miss is read inside the evaluation, outside the
+timed build: the figure is the Python thread's part, which is what the native path removes.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _timed(call, routes, calls: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def measure(model_dir: Path, policy: str, calls: int) -> dict:
+def measure(model_dir: Path, policy: str, calls: int, decode_path: str = "python") -> dict:
     from mlx_lm.utils import load_model
 
     import expert_stream
@@ -62,7 +65,10 @@ def measure(model_dir: Path, policy: str, calls: int) -> dict:
     k = fp.top_k
     slots = fp.num_experts[0] // 2
     streamed, _, handle = expert_stream.load(model_dir, budget_gib=fp.budget_gib_for_slots(slots), policy=policy,
-                                             online_budget=False, prefetch=False)
+                                             online_budget=False, prefetch=None if decode_path == "native" else False,
+                                             decode_path=decode_path)
+    if handle.decode_path[0] != decode_path:
+        raise SystemExit(f"decode_path {decode_path} does not serve here: {handle.decode_path[1]}")
     layer = next(m for _, m in streamed.named_modules() if isinstance(m, StreamedSwitch))
     stock, _ = load_model(model_dir)
     stock_layer = next(m for name, m in stock.named_modules() if type(m).__name__ in ("SwitchGLU", "SwitchMLP"))
@@ -110,7 +116,10 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint (default: a small synthetic qwen3_moe)")
     parser.add_argument("--policy", default="default")
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--decode-path", default="python", choices=("python", "native"))
     args = parser.parse_args(argv)
+    if args.decode_path == "native":
+        args.policy = "lru"  # the native path's policy
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.checkpoint
         if model_dir is None:
@@ -118,9 +127,9 @@ def main(argv=None) -> None:
 
             model_dir = make_checkpoint(Path(tmp) / "ckpt", arch="qwen3_moe", layers=2, experts=64, top_k=8,
                                         hidden=256, moe_hidden=128, dtype="float32", progress=False)
-        out = measure(model_dir, args.policy, args.calls)
+        out = measure(model_dir, args.policy, args.calls, args.decode_path)
     print(f"{out['experts']} experts, {out['slots']} slots a layer, top-{out['top_k']}, policy {args.policy}, "
-          f"{mx.default_device()}")
+          f"decode path {args.decode_path}, {mx.default_device()}")
     print(f"{'call':<22} {'host us':>9} {'Python calls':>13}")
     for name, (us, n) in out["figures"].items():
         print(f"{name:<22} {us:>9.0f} {n:>13}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the spike's primitives (host_lookup.cpp; resolve_misses.cpp, CPU only) against the
+# Build the spike's primitive (host_lookup.cpp) against the
 # installed MLX, its nanobind and, where MLX runs on CUDA, the CUDA runtime.
 # Usage: bash build.sh NANOBIND_DIR [CUDA_HOME]
 # (NANOBIND_DIR: an unpacked nanobind of the version MLX was built with: 3.1 for MLX 0.32).
@@ -21,7 +21,7 @@ fi
 out=${OUT_DIR:-$here/build}  # build/ is git-ignored
 mkdir -p "$out"
 g++ "${flags[@]}" -c "$nb/src/nb_combined.cpp" -o "$out/nb_combined.o"
-for name in host_lookup resolve_misses; do
+for name in host_lookup; do
   g++ "${flags[@]}" -shared "$here/$name.cpp" "$out/nb_combined.o" "${libs[@]}" -o "$out/_$name$ext"
   echo "built $out/_$name$ext"
 done

@@ -1,0 +1,111 @@
+"""Builds native/resolve.cpp (the native decode path's primitive) against the MLX this process
+imported, on first use, into a per-user cache keyed by the source and every version it was built
+against: an MLX extension must match the MLX it runs in (its headers and nanobind's ABI), which a
+wheel built at install time cannot promise once MLX is upgraded beside it.
+
+`load()` returns the module, or None and why (no compiler, no nanobind, a failed build or
+import): the caller keeps the Python path and says so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("resolve.cpp")
+_loaded: dict = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EXPERT_STREAM_NATIVE_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "expert-stream" / "native"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return cxx
+    for name in ("c++", "clang++", "g++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    import mlx
+    import nanobind
+
+    mlx_dir = Path(list(mlx.__path__)[0])
+    nb_dir = Path(nanobind.source_dir()).parent
+    cmd = [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-DNB_DOMAIN=mlx",
+           f"-I{mlx_dir / 'include'}", f"-I{sysconfig.get_paths()['include']}", f"-I{nanobind.include_dir()}",
+           f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", str(SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+           f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
+    if sys.platform == "darwin":
+        cmd[1:1] = ["-undefined", "dynamic_lookup"]
+    return cmd
+
+
+def _key(cxx: str) -> str:
+    import mlx.core as mx
+    import nanobind
+
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (mx.__version__, nanobind.__version__, sysconfig.get_config_var("EXT_SUFFIX"), sys.platform, cxx):
+        h.update(str(part).encode())
+    return h.hexdigest()[:16]
+
+
+def load():
+    """-> (module, "") or (None, why it cannot load). Builds once per key; later processes (a
+    host's children) import the cached build."""
+    if "result" in _loaded:
+        return _loaded["result"]
+    _loaded["result"] = result = _load()
+    return result
+
+
+def _load():
+    try:
+        import nanobind  # noqa: F401
+    except ImportError:
+        return None, "nanobind is not installed (pip install nanobind)"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX)"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    folder = cache_dir() / _key(cxx)
+    target = folder / f"_resolve{suffix}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build where several processes start at once
+            if not target.exists():
+                with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                    built = Path(tmp) / target.name
+                    done = subprocess.run(_command(cxx, built), capture_output=True, text=True)
+                    if done.returncode != 0:
+                        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                        return None, f"building {SOURCE.name} with {cxx} failed: {' / '.join(tail)}"
+                    os.replace(built, target)
+    except OSError as exc:
+        return None, f"cannot build into {folder}: {exc}"
+    try:
+        spec = importlib.util.spec_from_file_location("_resolve", target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a build for another MLX left behind, an ABI mismatch
+        return None, f"importing {target} failed: {exc}"
+    return module, ""

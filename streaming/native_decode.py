@@ -1,0 +1,209 @@
+"""The native decode path (`decode_path: native`): a decode token's routing resolved inside the
+graph by a primitive (native/resolve.cpp) between the layer's router and its expert gather. The
+primitive maps the token's expert ids to slots and reads the misses into LRU victims while the
+graph evaluates, so the Python thread builds each token as stock does and never waits for a
+routing readback; the stock block then computes on the slots it returns.
+
+The primitive works on the layer's own ExpertCache arrays (slot_of, expert_in, the LRU stamps),
+never while the Python path does: the layer is either the primitive's (`active`) or the Python
+path's, and `hand_back` waits for every resolution queued, folds the primitive's counters into
+the layer's stats and gives the table back before any Python path, budget move or prefill
+touches it. CPU backend only (its resolutions run in stream order on the CPU stream's worker);
+elsewhere, or where the primitive cannot be built, the Python path serves and the log says why.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import tempfile
+
+import mlx.core as mx
+import numpy as np
+
+from ..native import resolve_build
+from .cache import EMPTY
+from .errors import ReadError
+
+log = logging.getLogger("expert_stream")
+
+# The primitive's counters (native/resolve.cpp, enum Count), as LayerStats fields.
+COUNTS = ("calls", "hits", "misses", "evictions", "bytes_read", "read_seconds", "demand_calls")
+BYTES = COUNTS.index("bytes_read")
+_why_not: dict = {}
+
+
+def native_module():
+    """(the primitive's module, "") where the native decode path can serve in this process, or
+    (None, why not). Decided once a process."""
+    if "result" not in _why_not:
+        _why_not["result"] = _module()
+    return _why_not["result"]
+
+
+def _module():
+    if mx.default_device() != mx.cpu:
+        return None, f"it runs on MLX's CPU backend only (this process computes on {mx.default_device()})"
+    major_minor = tuple(int(p) for p in mx.__version__.split(".")[:2])
+    if major_minor < (0, 32):  # earlier CPU streams do not carry a task's exception to the caller
+        return None, f"it needs MLX 0.32 or later (this is {mx.__version__})"
+    module, why = resolve_build.load()
+    if module is None:
+        return None, why
+    why = _self_check(module)
+    return (module, "") if not why else (None, why)
+
+
+def _self_check(module) -> str:
+    """A miss, a hit and an eviction on a one-slot table over a small file: the build talks to
+    this MLX and gives the file's bytes. "" when it does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows")
+        rows = np.arange(8, dtype=np.float32)  # expert e's row: rows[4e:4e+4]
+        rows.tofile(path)
+        st = os.stat(path)
+        shards = module.Shards([path], [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]], False)
+        slot_of = np.full(2, EMPTY, dtype=np.int32)
+        expert_in = np.full(1, EMPTY, dtype=np.int32)
+        stamp, clock = np.zeros(2), np.zeros(1)
+        counts = np.zeros(module.NUM_COUNTS, dtype=np.uint64)
+        table = module.LayerTable("self-check", slot_of, expert_in, stamp, clock, counts, [16], [0, 0], [0, 16], shards)
+        slot_rows = mx.zeros((1, 4), dtype=mx.float32)
+        mx.eval(slot_rows)
+        got = []
+        for e in (1, 1, 0):
+            slots, row = module.resolve(mx.array([e], dtype=mx.uint32), [slot_rows], table)
+            got.append((np.array(slots).tolist(), np.array(row).reshape(-1).tolist()))
+        want = [([0], [4.0, 5.0, 6.0, 7.0]), ([0], [4.0, 5.0, 6.0, 7.0]), ([0], [0.0, 1.0, 2.0, 3.0])]
+        if got != want or counts.tolist()[:4] != [3, 1, 2, 1]:
+            return f"its self-check gave {got} (counts {counts.tolist()}), not {want}"
+    return ""
+
+
+class NativeDecode:
+    """One streamed layer's decode calls through the primitive (`__call__`), and the hand-over
+    of its table to and from the Python path."""
+
+    name = "native"
+
+    def __init__(self, module, store, compute, shards):
+        self.module, self.store, self.compute, self.shards = module, store, compute, shards
+        tensors = store.slots.tensors
+        experts = store.cache.num_experts
+        self.row_bytes = [t.row_bytes for t in tensors]
+        self.file_of = [t.info.file for _ in range(experts) for t in tensors]
+        self.offset_of = [t.info.start + e * t.row_bytes for e in range(experts) for t in tensors]
+        # where the stock block keeps each slot tensor: (its child module, the key in it)
+        self.places = [_place(compute.module, t.leaf) for t in tensors]
+        self.leaves = [t.leaf for t in tensors]
+        self.counts = np.zeros(module.NUM_COUNTS, dtype=np.uint64)
+        self.folded = self.counts.copy()  # the counts already in the layer's stats
+        self.clock = np.zeros(1)
+        self.table = None
+        self.arrays = []
+        self.recent = collections.deque(maxlen=4)
+        self.active = False
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if not self.active:
+            self._take_over()
+        if indices.dtype != mx.uint32:
+            indices = indices.astype(mx.uint32)
+        slots, *arrays = self.module.resolve(indices, self.arrays, self.table)
+        for (child, key), array in zip(self.places, arrays):  # the gathers depend on the resolution
+            child[key] = array
+        y = self.compute(x, slots)
+        # Not pinned (an eval here would wait for the token before): the CPU stream's order keeps
+        # the slots until the gathers ran. The latest few outputs are kept for hand_back to
+        # evaluate, with every call before them that they depend on.
+        self.recent.append(y)
+        return y
+
+    def _take_over(self) -> None:
+        """The table becomes the primitive's: no read of the Python path is left in flight."""
+        store = self.store
+        store.await_prefetch()
+        store.reap()
+        store.end_call()
+        store.settle()
+        cache = store.cache
+        lru = cache.policy.policy
+        self.clock[0] = lru.clock
+        self.arrays = [store.slots.arrays[leaf] for leaf in self.leaves]
+        self.table = self.module.LayerTable(store.name, cache.slot_of, cache.expert_in, lru.stamp, self.clock,
+                                            self.counts, self.row_bytes, self.file_of, self.offset_of, self.shards)
+        self.active = True
+
+    def hand_back(self) -> None:
+        """Before the Python path (or a budget move) touches this layer: every resolution queued
+        has run, its counters are in the layer's stats, the table is the cache's again. Raises
+        the primitive's failure, if a read failed: the layer fails until the model is reloaded."""
+        if not self.active:
+            return
+        self.active = False
+        store = self.store
+        try:
+            mx.eval(list(self.recent))  # built and not yet evaluated: they resolve on this table
+            mx.synchronize(mx.default_stream(mx.cpu))  # every resolution queued has run
+        except RuntimeError:
+            pass  # a failed one: its table says why (below)
+        self.recent.clear()
+        self._fold()
+        cache = store.cache
+        cache.held = int(np.count_nonzero(cache.expert_in != EMPTY))
+        cache.version += 1
+        cache.policy.policy.clock = float(self.clock[0])
+        self.compute.use(store.slots)
+        self.arrays = []
+        failed = self.table.failed
+        if failed:
+            self.active = True  # keeps failing through the primitive, as the evaluation did
+            raise ReadError(failed)
+
+    def _fold(self) -> None:
+        stats = self.store.cache.stats
+        for name, value in self.unfolded().items():
+            setattr(stats, name, getattr(stats, name) + value)
+        self.folded = self.counts.copy()
+
+    def unfolded(self) -> dict:
+        """The primitive's counts not yet in the layer's stats (a live view for `stats()`)."""
+        delta = (self.counts - self.folded).tolist()
+        out = dict(zip(COUNTS, (int(v) for v in delta)))
+        out["read_seconds"] = delta[COUNTS.index("read_seconds")] / 1e9
+        out["reads_waited"] = out["misses"]  # read inside the evaluation: the compute waits for each
+        return out
+
+    def unfolded_bytes(self) -> int:
+        return int(self.counts[BYTES] - self.folded[BYTES])
+
+    def reset(self) -> None:
+        """The layer's stats were reset: count from now."""
+        self.folded = self.counts.copy()
+
+
+def _place(module, leaf: str):
+    """(the module holding tensor `leaf` of a block, its key there): "gate_proj.weight" ->
+    (block["gate_proj"], "weight")."""
+    *path, key = leaf.split(".")
+    for name in path:
+        module = module[name]
+    return module, key
+
+
+def link_native(layers, index, bypass: str) -> str:
+    """Give every streamed layer its NativeDecode (decode_path: native). Returns "" or why the
+    Python path serves instead (logged once by the caller)."""
+    module, why = native_module()
+    if module is None:
+        return why
+    try:
+        shards = module.Shards([str(i.path) for i in index.identities],
+                               [[i.device, i.inode, i.size, i.mtime_ns] for i in index.identities],
+                               bypass != "none")
+    except RuntimeError as exc:
+        return str(exc)
+    for layer in layers:
+        layer.native = NativeDecode(module, layer.store, layer.compute, shards)
+    return ""
