@@ -1,12 +1,13 @@
 // The native decode path (`decode_path: native`, streaming/native_decode.py): a primitive between
 // a streamed layer's router and its expert gather. `resolve(ids, slot tensors, table)` maps a
 // decode token's expert ids to slots and, where an expert is in no slot, reads its rows from the
-// shard into the slot memory of the least recently used expert the call does not use, all inside
+// shard into the slot of a victim the layer's eviction policy chooses (LRU or the default
+// panel, streaming/policy.py, on the policy's own arrays; every miss admitted), all inside
 // the graph's evaluation: the Python thread builds the token as stock does and never waits for
 // the routing. CPU backend only: the resolution runs on the CPU stream's worker in stream order,
 // so no slot is refilled while a gather queued before it still reads it.
 //
-// The table is the layer's ExpertCache state itself (numpy arrays the Python path reads and
+// The table is the layer's ExpertCache and policy state itself (numpy arrays the Python path reads and
 // writes too, never while a resolution may run: the Python side settles first). A failed read
 // or a changed shard throws from the evaluation naming the layer, the shard, the offset and the
 // length; the slot it was filling claims no expert, and every later call of the layer fails the
@@ -122,14 +123,136 @@ struct Shards {
   }
 };
 
+// A layer's eviction policy (streaming/policy.py) on the policy object's own arrays, its Python
+// arithmetic step by step, so the Python path and this one make the same decisions on the same
+// calls. LRU is the panel's recency member alone; the default (AdaptivePolicy) adds decayed
+// counts and windowed counts judged by the points each member earns. The decay factors come
+// from Python, computed there as the policy computes them. Every miss is admitted (the
+// default's admission needs a scratch buffer for a declined miss: the Python path has one).
+struct Panel {
+  int experts = 0, members = 1, counts = 0;  // rows: recency, `counts` decayed counts, windowed counts
+  std::vector<int> win_rows;                 // windowed member w: the count row (of `counts`) it ranks
+  double* key = nullptr;                     // members x experts, row 0 the recency stamps
+  double* points = nullptr;                  // members: the judge's points
+  double* state = nullptr;                   // [clock, calls, leader, the hit curve's calls]
+  std::vector<double> decay;                 // (k - 1) * counts + h: count h's decay for a k-expert call
+  std::vector<double> judge;                 // k - 1: the points' decay for a k-expert call
+  double window = 0;
+  int kth = 0, judge_every = 1;
+  bool judging = false;
+  std::vector<int32_t> pending;  // inserts placed before any access (warm start): after the next one
+  std::vector<double> row;       // scratch of the judge
+  static constexpr double BIG = 1e12;
+
+  double* stamp() const { return key; }
+  double* member(int m) const { return key + size_t(m) * size_t(experts); }
+
+  // on_access: judge the members on this call, then decay and count, then stamp recency.
+  void access(const std::vector<int32_t>& needed) {
+    const int k = int(needed.size());
+    double& clock = state[0];
+    double* st = stamp();
+    if (judging && int64_t(state[1]) % judge_every == 0) {
+      for (size_t w = 0; w < win_rows.size(); ++w) {
+        double* out = member(1 + counts + int(w));
+        const double* src = member(1 + win_rows[w]);
+        const double since = clock - window;
+        for (int e = 0; e < experts; ++e) out[e] = src[e] + (st[e] > since ? BIG : 0.0);
+      }
+      int leader = 0;
+      for (int m = 0; m < members; ++m) {
+        const double* r = member(m);
+        row.assign(r, r + experts);
+        std::nth_element(row.begin(), row.begin() + kth, row.end());
+        const double th = row[size_t(kth)];
+        int inside = 0;
+        for (int e : needed) inside += r[e] >= th;
+        points[m] *= judge[size_t(k - 1)];
+        points[m] += double(inside);
+        if (points[m] > points[leader]) leader = m;
+      }
+      state[2] = double(leader);
+    }
+    for (int h = 0; h < counts; ++h) {
+      double* r = member(1 + h);
+      const double d = decay[size_t(k - 1) * size_t(counts) + size_t(h)];
+      for (int e = 0; e < experts; ++e) r[e] *= d;
+      for (int e : needed) r[e] += 1.0;
+    }
+    for (int j = 0; j < k; ++j) st[needed[j]] = clock + double(k - j);  // the first (lowest) id: most recent
+    clock += double(k);
+    state[1] += 1.0;
+    if (counts && !(int64_t(state[1]) & 1023))  // keep long-unused counts out of denormals
+      for (int h = 0; h < counts; ++h) {
+        double* r = member(1 + h);
+        for (int e = 0; e < experts; ++e)
+          if (r[e] < 1e-200) r[e] = 0.0;
+      }
+    for (int32_t e : pending) insert(e);
+    pending.clear();
+  }
+
+  void insert(int e) {  // more recent than the call's hits
+    state[0] += 1.0;
+    stamp()[e] = state[0];
+  }
+
+  // The leading member's ranking of expert e (higher: kept longer); recency for the first.
+  double rank(int e) const {
+    const int j = int(state[2]);
+    if (j <= counts) return member(j)[e];
+    return member(1 + win_rows[size_t(j - 1 - counts)])[e] + (stamp()[e] > state[0] - window ? BIG : 0.0);
+  }
+
+  // choose_victims: `count` of the candidates (slot order), the lowest ranked, ties least recent.
+  void victims(std::vector<int>& cand, size_t count) const {
+    if (count >= cand.size()) return;
+    const double* st = stamp();
+    std::vector<std::pair<double, double>> by(static_cast<size_t>(experts));
+    for (int e : cand) by[size_t(e)] = {rank(e), st[e]};
+    std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return by[size_t(a)] < by[size_t(b)]; });
+    cand.resize(count);
+  }
+};
+
+// The layer's hit curve while online budgets are on (budget.HitCurve, on its arrays): each
+// access's LRU stack distance counted, the counts halved every `half_life` calls.
+struct Curve {
+  double* hist = nullptr;    // experts + 2 (none: no curve)
+  int64_t* stamp = nullptr;  // experts: the call that last used each
+  double* calls = nullptr;   // in the policy's state
+  int64_t half_life = 0;
+  std::vector<int> distance;
+
+  void record(const std::vector<int32_t>& needed, int experts) {
+    if (hist == nullptr) return;
+    distance.clear();
+    for (int e : needed) {
+      const int64_t st = stamp[e];
+      int d = experts + 1;  // first use
+      if (st >= 0) {
+        d = 1;
+        for (int x = 0; x < experts; ++x) d += stamp[x] > st;
+      }
+      distance.push_back(d);
+    }
+    for (int d : distance) hist[d] += 1.0;
+    *calls += 1.0;
+    const int64_t now = int64_t(*calls);
+    for (int e : needed) stamp[e] = now;
+    if (now % half_life == 0)
+      for (int i = 0; i < experts + 2; ++i) hist[i] *= 0.5;
+  }
+};
+
 // One streamed layer's slot table and where each expert's rows are in the shards.
 struct LayerTable {
   std::string name;
   int experts, slots, tensors;
   int32_t* slot_of;    // expert -> slot, EMPTY when in none (ExpertCache.slot_of)
   int32_t* expert_in;  // slot -> expert, EMPTY when empty (ExpertCache.expert_in)
-  double* stamp;       // expert -> recency, larger is more recent (LRUPolicy.stamp)
-  double* clock;       // [the policy's clock]
+  Panel policy;
+  Curve curve;
   uint64_t* counts;    // NUM_COUNTS counters
   // (the numpy arrays these point into are kept alive by the Python side, which holds no
   // Python object here: a table's last reference may drop on the stream's worker, GIL-less)
@@ -137,7 +260,8 @@ struct LayerTable {
   std::vector<int32_t> file_of;    // (expert, tensor) -> shard
   std::vector<int64_t> offset_of;  // (expert, tensor) -> byte offset in the shard
   std::shared_ptr<Shards> shards;
-  std::vector<int32_t> needed;  // scratch of one call (the stream's worker is the only user)
+  std::vector<int32_t> needed, missing;  // scratch of one call (the stream's worker is the only user)
+  std::vector<int> free_slots, victims;
   std::vector<char> mark;
   std::atomic<bool> broken{false};
   std::mutex failed_mtx;
@@ -180,11 +304,12 @@ struct LayerTable {
     counts[BYTES] += uint64_t(length);
   }
 
-  // One decode call: ids -> slots, the misses read into LRU victims the call does not use, in
-  // the Python path's order (cache.access, then place and claim), so both keep one LRU.
+  // One decode call: ids -> slots, in the Python path's order (cache.access, then the victims
+  // chosen once for the call's misses, place and claim), so both make one policy's decisions.
   void resolve(const uint32_t* ids, uint32_t* out, size_t n, const std::vector<char*>& bases) {
     if (broken.load()) throw std::runtime_error(failed());
     needed.clear();
+    missing.clear();
     mark.assign(size_t(experts), 0);
     for (size_t i = 0; i < n; ++i) {
       if (ids[i] >= uint32_t(experts))
@@ -194,43 +319,50 @@ struct LayerTable {
     }
     for (int e = 0; e < experts; ++e)
       if (mark[e]) needed.push_back(e);
-    const int k = int(needed.size());
-    if (k > slots) fail(name + ": a decode call routes to more experts than the layer has slots");
-    // on_access: the first (lowest) id becomes the most recent
-    for (int j = 0; j < k; ++j) stamp[needed[j]] = *clock + double(k - j);
-    *clock += double(k);
+    if (int(needed.size()) > slots) fail(name + ": a decode call routes to more experts than the layer has slots");
+    policy.access(needed);
+    curve.record(needed, experts);
+    for (int e : needed)
+      if (slot_of[e] == EMPTY) missing.push_back(e);
     counts[CALLS] += 1;
-    const uint64_t misses_before = counts[MISSES];
-    for (int e : needed) {
-      if (slot_of[e] != EMPTY) {
-        counts[HITS] += 1;
-        continue;
+    counts[HITS] += needed.size() - missing.size();
+    counts[MISSES] += missing.size();
+    if (missing.empty()) {
+      for (size_t i = 0; i < n; ++i) out[i] = uint32_t(slot_of[ids[i]]);
+      return;
+    }
+    counts[DEMAND_CALLS] += 1;
+    free_slots.clear();
+    victims.clear();
+    for (int s = 0; s < slots; ++s) {
+      if (expert_in[s] == EMPTY)
+        free_slots.push_back(s);
+      else if (!mark[expert_in[s]])
+        victims.push_back(expert_in[s]);  // candidates: residents the call does not use
+    }
+    const size_t n_free = std::min(free_slots.size(), missing.size());
+    const size_t need = missing.size() - n_free;
+    if (need) {
+      if (victims.size() < need) fail(name + ": no slot to evict for a miss");
+      policy.victims(victims, need);
+      for (int v : victims) {  // their bytes are about to be overwritten
+        free_slots.push_back(slot_of[v]);
+        expert_in[slot_of[v]] = EMPTY;
+        slot_of[v] = EMPTY;
       }
-      int slot = -1;
-      for (int s = 0; s < slots && slot < 0; ++s)
-        if (expert_in[s] == EMPTY) slot = s;
-      if (slot < 0) {  // evict the least recent resident expert this call does not use
-        for (int s = 0; s < slots; ++s) {
-          const int r = expert_in[s];
-          if (!mark[r] && (slot < 0 || stamp[r] < stamp[expert_in[slot]])) slot = s;
-        }
-        if (slot < 0) fail(name + ": no slot to evict for a miss");
-        slot_of[expert_in[slot]] = EMPTY;
-        expert_in[slot] = EMPTY;  // claims nothing until every row landed
-        counts[EVICTIONS] += 1;
-      }
+      counts[EVICTIONS] += need;
+    }
+    for (int e : missing) policy.insert(e);
+    for (size_t j = 0; j < missing.size(); ++j) {
+      const int e = missing[j], slot = free_slots[j < n_free ? j : free_slots.size() - need + (j - n_free)];
       const auto t0 = std::chrono::steady_clock::now();
       for (int t = 0; t < tensors; ++t) read_row(e, t, bases[t] + size_t(slot) * size_t(row_bytes[t]));
       counts[READ_NS] += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                       std::chrono::steady_clock::now() - t0)
                                       .count());
-      expert_in[slot] = e;
+      expert_in[slot] = e;  // claimed only now that every row landed
       slot_of[e] = slot;
-      *clock += 1.0;  // on_insert: more recent than the call's hits
-      stamp[e] = *clock;
-      counts[MISSES] += 1;
     }
-    if (counts[MISSES] != misses_before) counts[DEMAND_CALLS] += 1;
     for (size_t i = 0; i < n; ++i) out[i] = uint32_t(slot_of[ids[i]]);
   }
 };
@@ -251,10 +383,44 @@ struct TableHandle {
   std::shared_ptr<LayerTable> table;
 };
 
+using F64 = nb::ndarray<double, nb::c_contig, nb::device::cpu>;
+
+// The policy's arrays (native_decode.panel_of): key (members x experts), points (members), state
+// [clock, calls, leader, the hit curve's calls], and the constants of its arithmetic.
+Panel make_panel(int experts, F64 key, F64 points, F64 state, int counts, std::vector<int> win_rows,
+                 std::vector<double> decay, std::vector<double> judge, double window, int kth, bool judging,
+                 int judge_every, std::vector<int32_t> pending) {
+  Panel p;
+  p.experts = experts;
+  p.counts = counts;
+  p.members = 1 + counts + int(win_rows.size());
+  p.key = data_of(key, size_t(p.members) * size_t(experts), "the policy's keys");
+  p.points = data_of(points, size_t(p.members), "the policy's points");
+  p.state = data_of(state, 4, "the policy's state");
+  for (int w : win_rows)
+    if (w < 0 || w >= counts) throw std::invalid_argument("resolve: a windowed member names no count");
+  if (decay.size() != size_t(experts) * size_t(counts) || (judging && judge.size() != size_t(experts)))
+    throw std::invalid_argument("resolve: one decay factor per call size");
+  if (judging && (kth < 0 || kth >= experts || judge_every < 1))
+    throw std::invalid_argument("resolve: the judge's threshold is not an expert rank");
+  for (int32_t e : pending)
+    if (e < 0 || e >= experts) throw std::invalid_argument("resolve: a pending insert names no expert");
+  p.win_rows = std::move(win_rows);
+  p.decay = std::move(decay);
+  p.judge = std::move(judge);
+  p.window = window;
+  p.kth = kth;
+  p.judging = judging;
+  p.judge_every = judge_every;
+  p.pending = std::move(pending);
+  return p;
+}
+
 void make_table(TableHandle* self, std::string name, nb::ndarray<int32_t, nb::c_contig, nb::device::cpu> slot_of,
-                nb::ndarray<int32_t, nb::c_contig, nb::device::cpu> expert_in,
-                nb::ndarray<double, nb::c_contig, nb::device::cpu> stamp,
-                nb::ndarray<double, nb::c_contig, nb::device::cpu> clock,
+                nb::ndarray<int32_t, nb::c_contig, nb::device::cpu> expert_in, F64 key, F64 points, F64 state,
+                int counts_members, std::vector<int> win_rows, std::vector<double> decay, std::vector<double> judge,
+                double window, int kth, bool judging, int judge_every, std::vector<int32_t> pending, F64 curve_hist,
+                nb::ndarray<int64_t, nb::c_contig, nb::device::cpu> curve_stamp, int64_t curve_half_life,
                 nb::ndarray<uint64_t, nb::c_contig, nb::device::cpu> counts, std::vector<int64_t> row_bytes,
                 std::vector<int32_t> file_of, std::vector<int64_t> offset_of, const ShardsHandle& shards) {
   auto t = std::make_shared<LayerTable>();
@@ -264,8 +430,15 @@ void make_table(TableHandle* self, std::string name, nb::ndarray<int32_t, nb::c_
   t->tensors = int(row_bytes.size());
   t->slot_of = data_of(slot_of, size_t(t->experts), "slot_of");
   t->expert_in = data_of(expert_in, size_t(t->slots), "expert_in");
-  t->stamp = data_of(stamp, size_t(t->experts), "stamp");
-  t->clock = data_of(clock, 1, "clock");
+  t->policy = make_panel(t->experts, key, points, state, counts_members, std::move(win_rows), std::move(decay),
+                         std::move(judge), window, kth, judging, judge_every, std::move(pending));
+  if (curve_hist.size()) {
+    if (curve_half_life < 1) throw std::invalid_argument("resolve: the hit curve's half-life is not a call count");
+    t->curve.hist = data_of(curve_hist, size_t(t->experts) + 2, "the hit curve");
+    t->curve.stamp = data_of(curve_stamp, size_t(t->experts), "the hit curve's stamps");
+    t->curve.calls = t->policy.state + 3;
+    t->curve.half_life = curve_half_life;
+  }
   t->counts = data_of(counts, NUM_COUNTS, "counts");
   if (file_of.size() != size_t(t->experts) * t->tensors || offset_of.size() != file_of.size())
     throw std::invalid_argument("resolve: the row table is not experts x tensors");
@@ -351,8 +524,11 @@ NB_MODULE(_resolve, m) {
           },
           nb::arg("paths"), nb::arg("identities"), nb::arg("drop_pages"));
   nb::class_<TableHandle>(m, "LayerTable")
-      .def("__init__", &make_table, nb::arg("name"), nb::arg("slot_of"), nb::arg("expert_in"), nb::arg("stamp"),
-           nb::arg("clock"), nb::arg("counts"), nb::arg("row_bytes"), nb::arg("file_of"), nb::arg("offset_of"),
+      .def("__init__", &make_table, nb::arg("name"), nb::arg("slot_of"), nb::arg("expert_in"), nb::arg("key"),
+           nb::arg("points"), nb::arg("state"), nb::arg("counts_members"), nb::arg("win_rows"), nb::arg("decay"),
+           nb::arg("judge"), nb::arg("window"), nb::arg("kth"), nb::arg("judging"), nb::arg("judge_every"),
+           nb::arg("pending"), nb::arg("curve_hist"), nb::arg("curve_stamp"), nb::arg("curve_half_life"),
+           nb::arg("counts"), nb::arg("row_bytes"), nb::arg("file_of"), nb::arg("offset_of"),
            nb::arg("shards"))
       .def_prop_ro("failed", [](TableHandle& h) { return h.table->failed(); });
   m.attr("NUM_COUNTS") = int(NUM_COUNTS);

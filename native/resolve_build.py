@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("resolve.cpp")
-_loaded: dict = {}
 
 
 def cache_dir() -> Path:
@@ -70,14 +69,8 @@ def _key(cxx: str) -> str:
 
 def load():
     """-> (module, "") or (None, why it cannot load). Builds once per key; later processes (a
-    host's children) import the cached build."""
-    if "result" in _loaded:
-        return _loaded["result"]
-    _loaded["result"] = result = _load()
-    return result
-
-
-def _load():
+    host's children) import the cached build. The caller decides once a process
+    (native_decode.native_module)."""
     try:
         import nanobind  # noqa: F401
     except ImportError:

@@ -1,12 +1,13 @@
 """The native decode path (`decode_path: native`): a decode token's routing resolved inside the
 graph by a primitive (native/resolve.cpp) between the layer's router and its expert gather. The
-primitive maps the token's expert ids to slots and reads the misses into LRU victims while the
-graph evaluates, so the Python thread builds each token as stock does and never waits for a
-routing readback; the stock block then computes on the slots it returns.
+primitive maps the token's expert ids to slots and reads the misses into the victims the
+layer's policy (LRU or the default panel) chooses while the graph evaluates, so the Python
+thread builds each token as stock does and never waits for a routing readback; the stock block
+then computes on the slots it returns.
 
-The primitive works on the layer's own ExpertCache arrays (slot_of, expert_in, the LRU stamps),
-never while the Python path does: the layer is either the primitive's (`active`) or the Python
-path's, and `hand_back` waits for every resolution queued, folds the primitive's counters into
+The primitive works on the layer's own ExpertCache arrays (slot_of, expert_in) and its policy's
+(LRU's stamps; the default panel's keys and points), never while the Python path does: the
+layer is either the primitive's (`active`) or the Python path's, and `hand_back` waits for every resolution queued, folds the primitive's counters into
 the layer's stats and gives the table back before any Python path, budget move or prefill
 touches it. CPU backend only (its resolutions run in stream order on the CPU stream's worker);
 elsewhere, or where the primitive cannot be built, the Python path serves and the log says why.
@@ -25,6 +26,7 @@ import numpy as np
 from ..native import resolve_build
 from .cache import EMPTY
 from .errors import ReadError
+from .policy import NATIVE_POLICIES, AdaptivePolicy, LRUPolicy
 
 log = logging.getLogger("expert_stream")
 
@@ -32,6 +34,42 @@ log = logging.getLogger("expert_stream")
 COUNTS = ("calls", "hits", "misses", "evictions", "bytes_read", "read_seconds", "demand_calls")
 BYTES = COUNTS.index("bytes_read")
 _why_not: dict = {}
+
+
+def panel_of(policy, state: np.ndarray, pending=(), curve=None) -> dict:
+    """The primitive's view of `policy` (LRUPolicy or AdaptivePolicy) and of the layer's hit
+    `curve` (budget.HitCurve, or None): their own arrays, which the primitive updates in place,
+    their scalars in `state` ([clock, calls, leader, the curve's calls], written back by
+    `_restore`), and the policy's decay factors for every call size, computed as it computes
+    them. `pending`: experts placed before their access (AccessOrder), inserted after the next."""
+    if type(policy) not in NATIVE_POLICIES:
+        raise TypeError(f"the native decode path does not run {type(policy).__name__}")
+    experts = policy.num_experts
+    state[:] = (policy.clock, getattr(policy, "_calls", 0), getattr(policy, "leader", 0),
+                curve._calls if curve is not None else 0)
+    panel = dict(key=policy.stamp, points=np.zeros(1), state=state, counts_members=0, win_rows=[], decay=[],
+                 judge=[], window=0.0, kth=0, judging=False, judge_every=1, pending=list(pending),
+                 curve_hist=np.zeros(0), curve_stamp=np.zeros(0, dtype=np.int64), curve_half_life=0)
+    if curve is not None:
+        panel.update(curve_hist=curve.hist, curve_stamp=curve._stamp, curve_half_life=curve.half_life)
+    if isinstance(policy, AdaptivePolicy):
+        sizes = range(1, experts + 1)
+        panel.update(key=policy.key, points=policy.points, counts_members=policy.score.shape[0],
+                     win_rows=policy.win_rows.tolist(),
+                     decay=np.concatenate([policy._decay_base ** k for k in sizes]).tolist(),
+                     judge=[policy._judge_base ** (k * policy.JUDGE_EVERY) for k in sizes],
+                     window=float(policy.window), kth=policy._kth, judging=policy._judging,
+                     judge_every=policy.JUDGE_EVERY)
+    return panel
+
+
+def _restore(policy, state: np.ndarray, curve=None) -> None:
+    """The scalars the primitive kept in `state`, back on the policy and curve objects."""
+    policy.clock = float(state[0])
+    if isinstance(policy, AdaptivePolicy):
+        policy._calls, policy.leader = int(state[1]), int(state[2])
+    if curve is not None:
+        curve._calls = int(state[3])
 
 
 def native_module():
@@ -66,9 +104,10 @@ def _self_check(module) -> str:
         shards = module.Shards([path], [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]], False)
         slot_of = np.full(2, EMPTY, dtype=np.int32)
         expert_in = np.full(1, EMPTY, dtype=np.int32)
-        stamp, clock = np.zeros(2), np.zeros(1)
         counts = np.zeros(module.NUM_COUNTS, dtype=np.uint64)
-        table = module.LayerTable("self-check", slot_of, expert_in, stamp, clock, counts, [16], [0, 0], [0, 16], shards)
+        panel = panel_of(LRUPolicy(2, 1), np.zeros(4))
+        table = module.LayerTable("self-check", slot_of, expert_in, **panel, counts=counts, row_bytes=[16],
+                                  file_of=[0, 0], offset_of=[0, 16], shards=shards)
         slot_rows = mx.zeros((1, 4), dtype=mx.float32)
         mx.eval(slot_rows)
         got = []
@@ -99,7 +138,7 @@ class NativeDecode:
         self.leaves = [t.leaf for t in tensors]
         self.counts = np.zeros(module.NUM_COUNTS, dtype=np.uint64)
         self.folded = self.counts.copy()  # the counts already in the layer's stats
-        self.clock = np.zeros(1)
+        self.state = np.zeros(4)  # [clock, calls, leader, the curve's calls] while the primitive runs
         self.table = None
         self.arrays = []
         self.recent = collections.deque(maxlen=4)
@@ -108,6 +147,7 @@ class NativeDecode:
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if not self.active:
             self._take_over()
+        self.store.cache.step += 1  # the call count online budgets rebalance by
         if indices.dtype != mx.uint32:
             indices = indices.astype(mx.uint32)
         slots, *arrays = self.module.resolve(indices, self.arrays, self.table)
@@ -128,11 +168,12 @@ class NativeDecode:
         store.end_call()
         store.settle()
         cache = store.cache
-        lru = cache.policy.policy
-        self.clock[0] = lru.clock
+        order = cache.policy  # policy.AccessOrder: a warm start's inserts wait for the next access
+        panel = panel_of(order.policy, self.state, order.take_pending(), cache.curve)
         self.arrays = [store.slots.arrays[leaf] for leaf in self.leaves]
-        self.table = self.module.LayerTable(store.name, cache.slot_of, cache.expert_in, lru.stamp, self.clock,
-                                            self.counts, self.row_bytes, self.file_of, self.offset_of, self.shards)
+        self.table = self.module.LayerTable(store.name, cache.slot_of, cache.expert_in, **panel, counts=self.counts,
+                                            row_bytes=self.row_bytes, file_of=self.file_of,
+                                            offset_of=self.offset_of, shards=self.shards)
         self.active = True
 
     def hand_back(self) -> None:
@@ -153,7 +194,7 @@ class NativeDecode:
         cache = store.cache
         cache.held = int(np.count_nonzero(cache.expert_in != EMPTY))
         cache.version += 1
-        cache.policy.policy.clock = float(self.clock[0])
+        _restore(cache.policy.policy, self.state, cache.curve)
         self.compute.use(store.slots)
         self.arrays = []
         failed = self.table.failed

@@ -66,6 +66,8 @@ class OnlineBudget:
         if self._asked == self.capacity and self.target[stream] == stream.cache.num_slots and not rebalance_due:
             return
         with self._lock:
+            if self._asked != self.capacity or rebalance_due:
+                self._hand_back()
             if self._asked != self.capacity:
                 self._retarget(self._asked)
             if rebalance_due:
@@ -79,10 +81,18 @@ class OnlineBudget:
         are there for the growing ones. Only while no forward pass of the model runs."""
         with self._lock:
             if self._asked != self.capacity:
+                self._hand_back()
                 self._retarget(self._asked)
             order = sorted(self.layers, key=lambda layer: self.target[layer.store] - layer.store.cache.num_slots)
             for layer in order:
                 self._follow(layer)
+
+    def _hand_back(self) -> None:
+        """The native decode path's resolutions queued so far have run: the hit curves read
+        next are every layer's up to this call, as on the Python path (one wait per move)."""
+        for layer in self.layers:
+            if layer.native is not None:
+                layer.native.hand_back()
 
     def _follow(self, layer) -> None:
         stream = layer.store

@@ -283,6 +283,12 @@ class AccessOrder:
     def choose_victims(self, resident: np.ndarray, count: int, protected: np.ndarray) -> np.ndarray:
         return self.policy.choose_victims(resident, count, protected)
 
+    def take_pending(self) -> list:
+        """The inserts waiting for the next access, handed to whoever delivers them now (the
+        native decode path, after its first access)."""
+        ahead, self._ahead = self._ahead, []
+        return ahead
+
     def admission(self, candidates: np.ndarray, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.policy.admission(candidates, victims)
 
@@ -315,6 +321,8 @@ POLICIES: dict[str, type] = {
     for cls in (LRUPolicy, LFUPolicy, DecayedCountPolicy, AdaptivePolicy)
 }
 POLICIES["default"] = POLICIES[DEFAULT]
+# The policies the native decode path also runs (native/resolve.cpp; every miss admitted there).
+NATIVE_POLICIES = (LRUPolicy, AdaptivePolicy)
 
 
 def make_policy(name: str, num_experts: int, capacity: int) -> EvictionPolicy:

@@ -72,7 +72,7 @@ class StreamSettings:
     overlap: bool = True
     # How a decode token's routing reaches the slots: "python" (the routing comes to the host
     # once a layer) or "native" (resolved inside the graph by native/resolve.cpp, no host wait;
-    # MLX's CPU backend only so far, LRU, no lookahead or rebalancing: streaming/README.md).
+    # MLX's CPU backend only so far, policy lru or default, no lookahead: streaming/README.md).
     decode_path: str = "python"
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0
@@ -113,8 +113,6 @@ class StreamSettings:
         _check_choice("slot_write", self.slot_write, ("auto", "direct", "staged", "cuda", "copy"))
         _check_choice("prefetch_into", self.prefetch_into, ("buffer", "slots"))
         _check_choice("decode_path", self.decode_path, ("python", "native"))
-        if self.decode_path == "native":
-            _check_native(self)
         if self.prefetch_depth < 1:
             raise SettingsError("prefetch_depth must be >= 1")
         if self.top_k_override is not None and self.top_k_override < 1:
@@ -125,6 +123,8 @@ class StreamSettings:
         from .policy import POLICIES  # names registered there, plugins' included
 
         _check_choice("policy", self.policy, tuple(POLICIES))
+        if self.decode_path == "native":
+            _check_native(self)
         if self.warm_start is not None and not Path(self.warm_start).expanduser().is_file():
             raise SettingsError(f"warm_start: trace file {self.warm_start} does not exist")
 
@@ -200,13 +200,14 @@ def _check_ranges(settings) -> None:
 
 
 def _check_native(settings) -> None:
-    """decode_path native resolves misses with LRU inside the graph, where no routing reaches the
-    host: what needs it there is refused by name, not left silently off."""
+    """decode_path native resolves misses inside the graph, where no routing reaches the host:
+    what needs it there is refused by name, not left silently off."""
+    from .policy import NATIVE_POLICIES, POLICIES
+
+    names = ", ".join(n for n, cls in POLICIES.items() if cls in NATIVE_POLICIES)
     needs = {
-        "policy": (settings.policy == "lru", "its misses are resolved with LRU: set policy: lru"),
+        "policy": (POLICIES.get(settings.policy) in NATIVE_POLICIES, f"it runs these policies: {names}"),
         "prefetch": (settings.prefetch is not True, "the lookahead guesses from routing on the host: leave prefetch unset"),
-        "online_budget": (not settings.online_budget, "rebalancing measures hit curves from routing on the host: "
-                                                      "set online_budget: false (budget changes still move slots)"),
         "skip_miss_below": (settings.skip_miss_below is None, "skipping a miss needs its routing weight on the host"),
     }
     for name, (ok, why) in needs.items():

@@ -112,11 +112,12 @@ def run_demo(args) -> int:
             answer = chat(base, "demo-moe", args.prompt, args.max_tokens)
             print(f"\nprompt: {args.prompt}\nanswer: {answer['choices'][0]['message']['content']!r}")
             print("(random weights: the text is noise; the point is that it streamed)\n")
-            totals = cache_totals(base, "demo-moe")
+            stats = model_stats(base, "demo-moe")
+            totals = stats.get("totals")
             if totals:
                 print(f"cache: hit rate {totals['hit_rate']:.1%}, {totals['hits']} hits, {totals['misses']} misses, "
                       f"{totals['evictions']} evictions, {totals['bytes_read'] / 1e6:.2f} MB read in "
-                      f"{totals['read_seconds']:.3f} s")
+                      f"{totals['read_seconds']:.3f} s; decode on the {stats.get('decode_path', 'python')} path")
             else:
                 print("cache: the model process gave no statistics within 30 s")
             if args.keep_running:
@@ -134,15 +135,14 @@ def run_demo(args) -> int:
     return 0
 
 
-def cache_totals(base: str, model: str, within_s: float = 30.0) -> dict:
-    """The model's cache totals from the status endpoint; a process still finishing its request
+def model_stats(base: str, model: str, within_s: float = 30.0) -> dict:
+    """The model's stats from the status endpoint; a process still finishing its request
     answers the stats call late (status then gives none), so ask again for a while."""
     from expert_stream.plugin.cli.server_client import fetch_json
 
     deadline = time.monotonic() + within_s
     while True:
-        entry = fetch_json(base + "/expert-stream/status")["models"][model]
-        totals = (entry.get("stats") or {}).get("totals") or {}
-        if totals or time.monotonic() > deadline:
-            return totals
+        stats = fetch_json(base + "/expert-stream/status")["models"][model].get("stats") or {}
+        if stats.get("totals") or time.monotonic() > deadline:
+            return stats
         time.sleep(1.0)

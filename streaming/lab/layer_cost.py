@@ -6,7 +6,7 @@ c_call events), for a call whose experts all sit in slots and for one with a mis
 
     python -m expert_stream.streaming.lab.layer_cost [--policy default] [--calls 400] [--decode-path native]
 
-With `--decode-path native` (policy lru) a miss is read inside the evaluation, outside the
+With `--decode-path native` a miss is read inside the evaluation, outside the
 timed build: the figure is the Python thread's part, which is what the native path removes.
 """
 
@@ -118,8 +118,6 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--decode-path", default="python", choices=("python", "native"))
     args = parser.parse_args(argv)
-    if args.decode_path == "native":
-        args.policy = "lru"  # the native path's policy
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.checkpoint
         if model_dir is None:

@@ -17,7 +17,6 @@ from mlx_lm.generate import generate_step
 
 import expert_stream
 from exactness import load_pair, prompt_ids
-from expert_stream.native import resolve_build
 from expert_stream.streaming import native_decode
 from expert_stream.streaming.checkpoint import CheckpointIndex
 from expert_stream.streaming.errors import SettingsError
@@ -42,10 +41,10 @@ def native_served(handle) -> bool:
     return all(layer.path_taken is layer.native for layer in handle.layers)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_native_decode_is_stock_bitwise_with_eviction_every_token(checkpoints, arch):
+@pytest.mark.parametrize("arch, policy", [("qwen3_moe", "lru"), ("gpt_oss", "lru"), ("qwen3_moe", "default")])
+def test_native_decode_is_stock_bitwise_with_eviction_every_token(checkpoints, arch, policy):
     path = checkpoints(arch, layers=2)
-    stock, streamed, handle = load_pair(path, **NATIVE)
+    stock, streamed, handle = load_pair(path, **NATIVE | dict(policy=policy))
     assert handle.stats()["decode_path"] == "native"
     syncs = []
     for seed in (0, 1):  # each request's prompt takes the table back to the Python path
@@ -86,6 +85,26 @@ def test_budget_moves_and_prompts_between_tokens_stay_exact(checkpoints):
     handle.close()
 
 
+def test_online_rebalancing_moves_the_slots_the_python_path_moves(checkpoints):
+    """online_budget under the native path: the primitive records each layer's hit curve, the
+    rebalance (every 64 calls) waits for the queued resolutions and reads the curves the Python
+    path would, so both move the same slots, bitwise stock's either way."""
+    path = checkpoints("qwen3_moe", layers=4)
+    fp = checkpoint_footprint(path)
+    prompt = prompt_ids(5, seed=4)[0]
+    want = logprobs(load_pair(path)[0], prompt, 140)
+    runs = []
+    for settings in (NATIVE | dict(policy="default", online_budget=True),
+                     dict(policy="default", online_budget=True, prefetch=False)):
+        _, streamed, handle = load_pair(path, slots=fp.top_k + 4, **settings)
+        assert_same(want, logprobs(streamed, prompt, 140))
+        assert native_served(handle) == ("decode_path" in settings)
+        runs.append(([layer.store.cache.num_slots for layer in handle.layers], handle.online_budget.moves,
+                     handle.stats()["totals"]["misses"]))
+        handle.close()
+    assert runs[0] == runs[1] and runs[0][1] > 0, runs
+
+
 def _first_miss_shard(handle, index: CheckpointIndex):
     """The shard holding the rows of an expert layer 0 does not hold now."""
     layer = handle.layers[0]
@@ -124,12 +143,14 @@ def test_a_changed_shard_stops_the_model_naming_it(ckpt):
     for shard in index.files:
         st = os.stat(shard)
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    with pytest.raises(Exception, match="changed on disk since the model was loaded"):
+    with pytest.raises(Exception, match="changed on disk since the model was loaded") as raised:
         logprobs(streamed, prompt_ids(6, seed=3)[0], 16)
+    # resolve.cpp words it as checkpoint.ShardIdentity does (it cannot call it without the GIL)
+    assert any(str(i.error("it was modified")) in str(raised.value) for i in index.identities)
     handle.close()
 
 
-@pytest.mark.parametrize("setting", [dict(policy="default"), dict(online_budget=True), dict(prefetch=True),
+@pytest.mark.parametrize("setting", [dict(policy="lfu"), dict(prefetch=True),
                                      dict(skip_miss_below=0.1)])
 def test_what_needs_host_routing_is_refused_by_name(ckpt, setting):
     values = NATIVE | setting
@@ -141,7 +162,6 @@ def test_what_needs_host_routing_is_refused_by_name(ckpt, setting):
 def test_without_a_compiler_the_python_path_serves_and_says_why(ckpt, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("EXPERT_STREAM_NATIVE_CACHE", str(tmp_path / "native"))
-    monkeypatch.setattr(resolve_build, "_loaded", {})
     monkeypatch.setattr(native_decode, "_why_not", {})
     with caplog.at_level(logging.WARNING, logger="expert_stream"):
         stock, streamed, handle = load_pair(ckpt, **NATIVE)

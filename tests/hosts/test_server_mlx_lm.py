@@ -316,6 +316,7 @@ def test_status_page_in_a_real_browser(server, tmp_path):
     expected = {"hits": model["counters"]["hits"], "misses": model["counters"]["misses"],
                 "bytes_read": model["counters"]["bytes_read"], "decode_tokens": model["counters"]["decode_tokens"],
                 "slot_bytes": model["stats"]["slot_bytes"], "state": model["state"],
+                "decode_path": model["stats"]["decode_path"],
                 "slots": sum(layer["slots"] for layer in model["stats"]["layers"].values()),
                 "budget_bytes": round(model["settings"]["budget_gib"] * 2**30)}
     shown = {field: page.fields.get((name, field)) for field in expected}

@@ -130,6 +130,7 @@ def test_demo_end_to_end(tmp_path):
                             text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "answer:" in result.stdout and "cache: hit rate" in result.stdout and "server stopped" in result.stdout
+    assert "; decode on the python path" in result.stdout
     assert (tmp_path / "cache" / "demo" / "config.json").exists()
 
 
