@@ -207,7 +207,9 @@ def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, 
         layers.append(_swap(model, path, block, tensors, plan, settings, reader, write_mode, spec, scratch))
     streams = [layer.store for layer in layers]
     native_why = None  # decode_path native: "" where it serves, else why the Python path does
-    if settings.decode_path == "native" and layers:
+    if settings.decode_path == "native" and not layers:
+        native_why = "no expert layer is streamed (all fit the budget): stock's blocks decode"
+    elif settings.decode_path == "native":
         native_why = link_native(layers, index, reader.cache_bypass)
         if native_why:
             log.warning("%s: decode_path native: %s; the Python decode path serves", index.model_dir.name, native_why)

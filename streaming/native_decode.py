@@ -7,9 +7,9 @@ then computes on the slots it returns.
 
 The primitive works on the layer's own ExpertCache arrays (slot_of, expert_in) and its policy's
 (LRU's stamps; the default panel's keys and points), never while the Python path does: the
-layer is either the primitive's (`active`) or the Python path's, and `hand_back` waits for every resolution queued, folds the primitive's counters into
-the layer's stats and gives the table back before any Python path, budget move or prefill
-touches it. CPU backend only (its resolutions run in stream order on the CPU stream's worker);
+layer is either the primitive's (`active`) or the Python path's, and `hand_back` waits for
+every resolution queued, folds the primitive's counters into the layer's stats and gives the
+table back before any Python path, budget move or prefill touches it. CPU backend only (its resolutions run in stream order on the CPU stream's worker);
 elsewhere, or where the primitive cannot be built, the Python path serves and the log says why.
 """
 
@@ -34,6 +34,7 @@ log = logging.getLogger("expert_stream")
 COUNTS = ("calls", "hits", "misses", "evictions", "bytes_read", "read_seconds", "demand_calls")
 BYTES = COUNTS.index("bytes_read")
 _why_not: dict = {}
+_factors: dict = {}  # (experts, the panel's decay bases) -> its decay factors for every call size
 
 
 def panel_of(policy, state: np.ndarray, pending=(), curve=None) -> dict:
@@ -53,13 +54,15 @@ def panel_of(policy, state: np.ndarray, pending=(), curve=None) -> dict:
     if curve is not None:
         panel.update(curve_hist=curve.hist, curve_stamp=curve._stamp, curve_half_life=curve.half_life)
     if isinstance(policy, AdaptivePolicy):
-        sizes = range(1, experts + 1)
+        key = (experts, policy._decay_base.tobytes(), policy._judge_base, policy.JUDGE_EVERY)
+        if key not in _factors:  # a policy's bases never change (resize keeps its first C)
+            sizes = range(1, experts + 1)
+            _factors[key] = (np.concatenate([policy._decay_base ** k for k in sizes]).tolist(),
+                             [policy._judge_base ** (k * policy.JUDGE_EVERY) for k in sizes])
+        decay, judge = _factors[key]
         panel.update(key=policy.key, points=policy.points, counts_members=policy.score.shape[0],
-                     win_rows=policy.win_rows.tolist(),
-                     decay=np.concatenate([policy._decay_base ** k for k in sizes]).tolist(),
-                     judge=[policy._judge_base ** (k * policy.JUDGE_EVERY) for k in sizes],
-                     window=float(policy.window), kth=policy._kth, judging=policy._judging,
-                     judge_every=policy.JUDGE_EVERY)
+                     win_rows=policy.win_rows.tolist(), decay=decay, judge=judge, window=float(policy.window),
+                     kth=policy._kth, judging=policy._judging, judge_every=policy.JUDGE_EVERY)
     return panel
 
 

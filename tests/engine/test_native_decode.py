@@ -159,6 +159,13 @@ def test_what_needs_host_routing_is_refused_by_name(ckpt, setting):
         expert_stream.load(ckpt, budget_gib=0.01, **values)
 
 
+def test_with_every_expert_layer_resident_the_note_says_so(ckpt):
+    _, handle = expert_stream.load(ckpt, budget_gib=100, **NATIVE)[1:]
+    assert not handle.layers and handle.stats()["decode_path"] == "python"
+    assert "no expert layer is streamed" in handle.stats()["decode_path_note"]
+    handle.close()
+
+
 def test_without_a_compiler_the_python_path_serves_and_says_why(ckpt, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("EXPERT_STREAM_NATIVE_CACHE", str(tmp_path / "native"))

@@ -56,13 +56,16 @@ def test_an_error_is_clear_when_it_names_the_model_and_shows_no_path():
 
 @pytest.mark.slow
 @pytest.mark.server
-@pytest.mark.parametrize("host", ["mlx_lm", "openai"])
-def test_a_short_soak_finds_nothing(host, tmp_path):
+@pytest.mark.parametrize("host, settings", [("mlx_lm", {}), ("openai", {}), ("mlx_lm", {"decode_path": "native"})])
+def test_a_short_soak_finds_nothing(host, settings, tmp_path):
     from expert_stream.streaming.lab.soak import SoakPlan, run_soak
 
     if host == "openai" and not openai_server_installed():
         pytest.skip("mlx-openai-server is not installed")
-    summary = run_soak(SoakPlan(host, 45, seed=20261202, work=tmp_path, clients=2, deadline_s=300))
+    summary = run_soak(SoakPlan(host, 45, seed=20261202, work=tmp_path, clients=2, deadline_s=300,
+                                settings=settings))
+    if settings:  # the fixed-budget model streams: the path asked for serves it
+        assert summary["decode paths"]["moe-a"] == settings["decode_path"], summary["decode paths"]
     assert summary["failures"] == 0, summary["first failures"]
     assert summary["wrong"] == summary["hangs"] == summary["unclear errors"] == 0
     assert summary["exact"] >= 20 and summary["requests"] == (summary["exact"] + summary["clear errors"]

@@ -28,10 +28,13 @@ def register(subparsers) -> None:
     p.add_argument("--deadline", type=float, default=600.0, metavar="S",
                    help="a request without an answer after S seconds counts as a hang (default 600)")
     p.add_argument("--work", default=None, metavar="DIR", help="checkpoints, config and logs (default: a temp dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a streaming setting of every streamed model (repeatable), e.g. --set decode_path=native")
     p.set_defaults(func=run_soak_command)
 
 
 def run_soak_command(args) -> int:
+    from expert_stream.streaming.lab.setting_values import parse_settings
     from expert_stream.streaming.lab.soak import SoakPlan, run_soak
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
@@ -39,6 +42,8 @@ def run_soak_command(args) -> int:
     hosts = ("openai", "mlx_lm") if args.host == "both" else (args.host,)
     bad = 0
     for host in hosts:
-        summary = run_soak(SoakPlan(host, args.minutes * 60, seed, work / host, args.clients, args.deadline))
+        plan = SoakPlan(host, args.minutes * 60, seed, work / host, args.clients, args.deadline,
+                        settings=parse_settings(args.set))
+        summary = run_soak(plan)
         bad += summary["failures"]
     return 1 if bad else 0

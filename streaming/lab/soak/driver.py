@@ -9,7 +9,7 @@ import random
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .client import SERVER_DOWN, UNCLEAR, request
@@ -33,6 +33,7 @@ class SoakPlan:
     clients: int = 3
     deadline_s: float = 600.0  # a request with no answer by then is a hang
     fault_gap_s: tuple = (1.0, 6.0)  # seconds between faults
+    settings: dict = field(default_factory=dict)  # streaming settings of every streamed model
 
 
 def free_port() -> int:
@@ -66,13 +67,14 @@ def sample_loop(host, tally: Tally, stop: threading.Event) -> None:
 
 def run_soak(plan: SoakPlan, say=print) -> dict:
     """Run one soak; return the summary (also printed through `say`)."""
-    say(f"soak: host {plan.host}, seed {plan.seed}, {plan.seconds:.0f} s, {plan.clients} clients, work {plan.work}")
+    say(f"soak: host {plan.host}, seed {plan.seed}, {plan.seconds:.0f} s, {plan.clients} clients, work {plan.work}"
+        + (f", streamed models with {plan.settings}" if plan.settings else ""))
     work = Path(plan.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     models = prepare(work / "models")
     say(f"soak: checkpoints and {len(models.expected)} stock answers in {time.perf_counter() - t0:.0f} s")
-    host = HostUnderSoak(plan.host, models.folders, work, free_port())
+    host = HostUnderSoak(plan.host, models.folders, work, free_port(), plan.settings)
     say(f"soak: the host answered after {host.start():.0f} s on {host.base}")
     tally, stop = Tally(), threading.Event()
     master = random.Random(plan.seed)
@@ -105,8 +107,8 @@ def run_soak(plan: SoakPlan, say=print) -> dict:
     finally:
         stop.set()
         host.stop()
-    header = {"host": plan.host, "seed": plan.seed, "seconds": round(time.perf_counter() - started),
-              "clients": plan.clients}
+    header = {"host": plan.host, "seed": plan.seed, "settings": plan.settings,
+              "seconds": round(time.perf_counter() - started), "clients": plan.clients}
     summary = tally.summary(header, server)
     for line in lines(summary):
         say(line)
@@ -121,6 +123,8 @@ def server_view(host, chaos, tally) -> dict:
     tally.sample(*sample_tree(host.pid))
     code, body = call(host.port, "GET", "/expert-stream/status")
     status = json.loads(body) if code == 200 else {}
-    restarts = {m: s.get("restarts", 0) for m, s in status.get("models", {}).items() if s.get("restarts")}
+    models = status.get("models", {})
+    restarts = {m: s.get("restarts", 0) for m, s in models.items() if s.get("restarts")}
+    paths = {m: (s.get("stats") or {}).get("decode_path") for m, s in models.items() if s.get("stats")}
     return {"server reloads": status.get("reloads"), "server reloads refused": status.get("reloads_refused"),
-            "restarts": restarts, "host starts": host.starts}
+            "restarts": restarts, "host starts": host.starts, "decode paths": paths}

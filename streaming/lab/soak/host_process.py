@@ -29,6 +29,7 @@ class ConfigKnobs:
     budget_gib: float = BUDGETS[0]
     with_c: bool = False
     extra_options: dict = field(default_factory=dict)
+    model_settings: dict = field(default_factory=dict)  # `soak --set`: in every streamed model's entry
 
     def document(self, host: str, folders: dict, port: int) -> dict:
         options = {"watch": True, "poll_seconds": 0.3, "debounce_seconds": 0.3, **self.extra_options}
@@ -36,11 +37,12 @@ class ConfigKnobs:
         if host == "openai":
             options.setdefault("drain_timeout_s", 30)
             doc["server"] = {"host": "127.0.0.1", "port": port, "log_level": "WARNING"}
-        models = [entry(folders, "moe-a", {"budget_gib": self.budget_gib, **ENTRY}),
-                  entry(folders, "moe-b", dict(ENTRY)),  # budget_gib: auto
+        streamed = {**ENTRY, **self.model_settings}
+        models = [entry(folders, "moe-a", {"budget_gib": self.budget_gib, **streamed}),
+                  entry(folders, "moe-b", dict(streamed)),  # budget_gib: auto
                   entry(folders, "dense", None)]
         if self.with_c:
-            models.append(entry(folders, "moe-c", dict(ENTRY)))
+            models.append(entry(folders, "moe-c", dict(streamed)))
         doc["models"] = models
         return doc
 
@@ -59,13 +61,13 @@ def dump(doc) -> str:
 class HostUnderSoak:
     """`expert-stream serve` (mlx-openai-server) or `expert-stream mlx-lm-server` on a free port."""
 
-    def __init__(self, host: str, folders: dict, work: Path, port: int):
+    def __init__(self, host: str, folders: dict, work: Path, port: int, model_settings: dict | None = None):
         if host not in HOSTS:
             raise ValueError(f"host must be one of {', '.join(HOSTS)}, got {host!r}")
         self.host, self.folders, self.work, self.port = host, folders, Path(work), port
         self.base = f"http://127.0.0.1:{port}"
         self.config_path = self.work / "host.yaml"
-        self.knobs = ConfigKnobs()
+        self.knobs = ConfigKnobs(model_settings=dict(model_settings or {}))
         self.process = None
         self.starts = 0
         self.down = threading.Event()  # set while the soak has killed the server and starts it again
