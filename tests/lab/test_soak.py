@@ -64,8 +64,6 @@ def test_a_short_soak_finds_nothing(host, settings, tmp_path):
         pytest.skip("mlx-openai-server is not installed")
     summary = run_soak(SoakPlan(host, 45, seed=20261202, work=tmp_path, clients=2, deadline_s=300,
                                 settings=settings))
-    if settings:  # the fixed-budget model streams: the path asked for serves it
-        assert summary["decode paths"]["moe-a"] == settings["decode_path"], summary["decode paths"]
     assert summary["failures"] == 0, summary["first failures"]
     assert summary["wrong"] == summary["hangs"] == summary["unclear errors"] == 0
     assert summary["exact"] >= 20 and summary["requests"] == (summary["exact"] + summary["clear errors"]
