@@ -26,6 +26,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -142,6 +143,7 @@ struct Panel {
   bool judging = false;
   std::vector<int32_t> pending;  // inserts placed before any access (warm start): after the next one
   std::vector<double> row;       // scratch of the judge
+  std::vector<std::pair<double, double>> by;  // scratch of victims: (rank, stamp) by expert
   static constexpr double BIG = 1e12;
 
   double* stamp() const { return key; }
@@ -205,10 +207,10 @@ struct Panel {
   }
 
   // choose_victims: `count` of the candidates (slot order), the lowest ranked, ties least recent.
-  void victims(std::vector<int>& cand, size_t count) const {
+  void victims(std::vector<int>& cand, size_t count) {
     if (count >= cand.size()) return;
     const double* st = stamp();
-    std::vector<std::pair<double, double>> by(static_cast<size_t>(experts));
+    by.resize(size_t(experts));
     for (int e : cand) by[size_t(e)] = {rank(e), st[e]};
     std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return by[size_t(a)] < by[size_t(b)]; });
     cand.resize(count);

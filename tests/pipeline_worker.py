@@ -37,7 +37,7 @@ def main(args):
     np.save(args["out"].format(rank=group.rank()), np.concatenate(logits))
     stats = handle.stats()
     print(json.dumps({"rank": group.rank(), "streamed": [s.name for s in handle.streams],
-                      "misses": stats["totals"]["misses"]}), flush=True)
+                      "misses": stats["totals"]["misses"], "decode_path": stats["decode_path"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -83,18 +83,22 @@ def _per_rank_copies(tmp_path, src):
     return dropped
 
 
-def test_two_ranks_stream_their_own_layers_exactly(model, tmp_path):
+@pytest.mark.parametrize("decode_path", ["python", "native"])
+def test_two_ranks_stream_their_own_layers_exactly(model, tmp_path, decode_path):
     fp = checkpoint_footprint(model)
     budget = fp.budget_gib_for_slots(fp.top_k)  # per rank: 6 slots in rank 0's two MoE layers, 12 in rank 1's one
     dropped = _per_rank_copies(tmp_path, model)
     assert dropped, "the checkpoint has no shard of rank 0's layers only"
     prompt = np.random.default_rng(0).integers(3, 500, 20).tolist()
-    done = _launch(tmp_path, str(tmp_path / "rank{rank}"), {"budget_gib": budget, "policy": "lru"}, 32400, prompt)
+    settings = {"budget_gib": budget, "policy": "lru", "decode_path": decode_path}
+    port = 32400 if decode_path == "python" else 32440
+    done = _launch(tmp_path, str(tmp_path / "rank{rank}"), settings, port, prompt)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = {r["rank"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
     assert all(name.startswith(("model.layers.2.", "model.layers.3.")) for name in reports[0]["streamed"])
     assert all(name.startswith(("model.layers.0.", "model.layers.1.")) for name in reports[1]["streamed"])
     assert reports[0]["streamed"] and reports[1]["streamed"] and reports[0]["misses"] > 0
+    assert [reports[r]["decode_path"] for r in (0, 1)] == [decode_path] * 2
     stock = _stock_logits(model, prompt)
     for rank in (0, 1):
         assert np.array_equal(np.load(tmp_path / f"logits-{rank}.npy"), stock), f"rank {rank}: logits differ"
