@@ -4,14 +4,18 @@
 // shard into the slot of a victim the layer's eviction policy chooses (LRU or the default
 // panel, streaming/policy.py, on the policy's own arrays; every miss admitted), all inside
 // the graph's evaluation: the Python thread builds the token as stock does and never waits for
-// the routing. CPU backend only: the resolution runs on the CPU stream's worker in stream order,
-// so no slot is refilled while a gather queued before it still reads it.
+// the routing. Resolutions run in stream order, so no slot is refilled while a gather queued
+// before it still reads it: on the CPU backend on the CPU stream's worker; on CUDA (built with
+// EXPERT_STREAM_CUDA) the stream copies the ids into page-locked memory, a host function
+// resolves them and reads the misses into page-locked staging, and a kernel (land_rows.cu)
+// copies the slots and the rows into place: the device waits for the host, never the reverse.
 //
 // The table is the layer's ExpertCache and policy state itself (numpy arrays the Python path reads and
-// writes too, never while a resolution may run: the Python side settles first). A failed read
-// or a changed shard throws from the evaluation naming the layer, the shard, the offset and the
-// length; the slot it was filling claims no expert, and every later call of the layer fails the
-// same way until the model is reloaded.
+// writes too, never while a resolution may run: the Python side drains first). A failed read
+// or a changed shard fails the evaluation naming the layer, the shard, the offset and the
+// length (on CUDA it is set on the evaluation's event, so the wait for the token raises); the
+// slot it was filling claims no expert, and every later call of the layer fails the same way
+// until the model is reloaded.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +31,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -33,6 +40,18 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+
+#ifdef EXPERT_STREAM_CUDA
+#include <cuda_runtime.h>
+
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/event.h"
+#include "mlx/backend/cuda/utils.h"
+
+// land_rows.cu: the copies a resolution planned, made on the device in stream order.
+extern "C" cudaError_t expert_stream_land(const void* moves, const uint32_t* count, uint32_t max_moves,
+                                          cudaStream_t stream);
+#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -247,6 +266,35 @@ struct Curve {
   }
 };
 
+// One copy the CUDA landing kernel makes (land_rows.cu has the same layout).
+struct Move {
+  uint64_t dst, src, bytes;
+};
+
+// Where a miss's rows are read: straight into the slot (CPU), or into page-locked staging that
+// the landing kernel copies into the slot once the resolution is done (CUDA).
+struct Landing {
+  std::vector<char*> bases;  // the slot tensors' memory (device addresses on CUDA)
+  char* staging = nullptr;   // nullptr: read into the slot itself
+  uint64_t staging_device = 0;
+  size_t used = 0, capacity = 0;
+  Move* moves = nullptr;
+  size_t count = 0, max_moves = 0;
+
+  static size_t padded(int64_t bytes) { return (size_t(bytes) + 255) & ~size_t(255); }
+
+  char* target(int t, int slot, int64_t bytes) {
+    char* slot_row = bases[size_t(t)] + size_t(slot) * size_t(bytes);
+    if (staging == nullptr) return slot_row;
+    if (used + padded(bytes) > capacity || count >= max_moves)
+      throw std::runtime_error("resolve: a call's misses do not fit its staging");  // sized at encode: a bug
+    moves[count++] = {uint64_t(slot_row), staging_device + used, uint64_t(bytes)};
+    char* at = staging + used;
+    used += padded(bytes);  // rows 256-aligned: the kernel copies 16 bytes a thread
+    return at;
+  }
+};
+
 // One streamed layer's slot table and where each expert's rows are in the shards.
 struct LayerTable {
   std::string name;
@@ -268,6 +316,32 @@ struct LayerTable {
   std::atomic<bool> broken{false};
   std::mutex failed_mtx;
   std::string failed_why;
+  // Resolutions queued by evaluations, and those run: `drain` waits until they are equal.
+  std::atomic<uint64_t> issued{0};  // counted where the evaluation encodes
+  std::atomic<uint64_t> finished{0};
+  std::mutex done_mtx;
+  std::condition_variable done_cv;
+#ifdef EXPERT_STREAM_CUDA
+  std::atomic<cudaStream_t> last_stream{nullptr};
+#endif
+
+  void ran() {
+    {
+      std::lock_guard<std::mutex> lk(done_mtx);
+      finished.fetch_add(1);
+    }
+    done_cv.notify_all();
+  }
+
+  // Every resolution queued has run, and on CUDA its landing kernel too (called GIL-less).
+  void drain() {
+    std::unique_lock<std::mutex> lk(done_mtx);
+    done_cv.wait(lk, [this] { return finished.load() >= issued; });
+    lk.unlock();
+#ifdef EXPERT_STREAM_CUDA
+    if (cudaStream_t s = last_stream.load()) cudaStreamSynchronize(s);
+#endif
+  }
 
   [[noreturn]] void fail(const std::string& why) {
     {
@@ -308,7 +382,7 @@ struct LayerTable {
 
   // One decode call: ids -> slots, in the Python path's order (cache.access, then the victims
   // chosen once for the call's misses, place and claim), so both make one policy's decisions.
-  void resolve(const uint32_t* ids, uint32_t* out, size_t n, const std::vector<char*>& bases) {
+  void resolve(const uint32_t* ids, uint32_t* out, size_t n, Landing& land) {
     if (broken.load()) throw std::runtime_error(failed());
     needed.clear();
     missing.clear();
@@ -358,7 +432,7 @@ struct LayerTable {
     for (size_t j = 0; j < missing.size(); ++j) {
       const int e = missing[j], slot = free_slots[j < n_free ? j : free_slots.size() - need + (j - n_free)];
       const auto t0 = std::chrono::steady_clock::now();
-      for (int t = 0; t < tensors; ++t) read_row(e, t, bases[t] + size_t(slot) * size_t(row_bytes[t]));
+      for (int t = 0; t < tensors; ++t) read_row(e, t, land.target(t, slot, row_bytes[t]));
       counts[READ_NS] += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                       std::chrono::steady_clock::now() - t0)
                                       .count());
@@ -453,6 +527,147 @@ void make_table(TableHandle* self, std::string name, nb::ndarray<int32_t, nb::c_
   new (self) TableHandle{std::move(t)};
 }
 
+#ifdef EXPERT_STREAM_CUDA
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("resolve: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Page-locked memory the device reads and writes too (mapped: it has a device address).
+struct Pinned {
+  char* host = nullptr;
+  uint64_t device = 0;
+  size_t bytes = 0;
+
+  void ensure(size_t want) {  // only while nothing in flight uses it
+    if (want <= bytes) return;
+    if (host) cudaFreeHost(host);
+    host = nullptr;
+    bytes = 0;
+    void* p = nullptr;
+    void* d = nullptr;
+    check(cudaHostAlloc(&p, want, cudaHostAllocMapped | cudaHostAllocPortable), "page-locked memory");
+    check(cudaHostGetDevicePointer(&d, p, 0), "a device address for page-locked memory");
+    host = static_cast<char*>(p);
+    device = uint64_t(d);
+    bytes = want;
+  }
+};
+
+struct Lane;
+
+// One CUDA resolution in flight: its ids, slots and planned copies, in page-locked memory.
+struct Entry {
+  std::atomic<int> busy{0};  // from encode until the next host function of its lane (its kernel ran)
+  Lane* lane = nullptr;
+  std::shared_ptr<LayerTable> table;
+  Pinned ids, slots, moves;  // moves: [count, pad] then the Move list
+  Pinned* staging = nullptr;
+  size_t n = 0, max_moves = 0;
+  uint64_t out = 0;          // the slots output's device address
+  std::vector<char*> bases;
+  mx::Event event;           // the evaluation's (async): a failure is set on it
+  std::atomic<int> done{0};  // for a synchronous evaluation, which waits here
+  std::string error;
+};
+
+// Resolutions of one MLX stream: its host functions run one at a time in stream order, so one
+// staging buffer serves them all (a call's kernel has run before the next call's host function).
+struct Lane {
+  std::vector<std::unique_ptr<Entry>> ring;
+  size_t next = 0;
+  Entry* last = nullptr;             // the host functions'
+  std::unique_ptr<Pinned> staging;   // the current one; outgrown ones are kept (calls in flight)
+  std::vector<std::unique_ptr<Pinned>> outgrown;
+  std::mutex mtx;
+  std::condition_variable cv;
+
+  Lane() {
+    for (int i = 0; i < 1024; ++i) ring.push_back(std::make_unique<Entry>());  // calls in flight at most
+  }
+
+  Entry& acquire(size_t n, size_t max_moves, size_t staging_bytes) {
+    Entry& e = *ring[next++ % ring.size()];
+    while (e.busy.exchange(1, std::memory_order_acquire)) std::this_thread::yield();
+    e.lane = this;
+    try {
+      e.ids.ensure(n * 4);
+      e.slots.ensure(n * 4);
+      e.moves.ensure(16 + max_moves * sizeof(Move));
+      if (!staging || staging->bytes < staging_bytes) {
+        if (staging) outgrown.push_back(std::move(staging));
+        staging = std::make_unique<Pinned>();
+        staging->ensure(std::max<size_t>(staging_bytes, 1 << 20));
+      }
+    } catch (...) {
+      e.busy.store(0);
+      throw;
+    }
+    e.staging = staging.get();
+    e.n = n;
+    e.max_moves = max_moves;
+    e.done.store(0);
+    e.error.clear();
+    return e;
+  }
+};
+
+Lane& lane_of(int stream_index) {
+  static auto* lanes = new std::unordered_map<int, std::unique_ptr<Lane>>;  // live as long as MLX's streams
+  static std::mutex mtx;
+  std::lock_guard<std::mutex> lk(mtx);
+  auto& lane = (*lanes)[stream_index];
+  if (!lane) lane = std::make_unique<Lane>();
+  return *lane;
+}
+
+// The host function (CUDA's thread, no GIL, no CUDA calls): resolve, read the misses into
+// staging, plan the copies. A failure cannot throw here: it is set on the evaluation's event
+// (the wait for the token raises it) and the plan copies only slots in range.
+void CUDART_CB resolve_on_host(void* p) {
+  Entry& e = *static_cast<Entry*>(p);
+  Lane& lane = *e.lane;
+  if (lane.last && lane.last != &e) lane.last->busy.store(0, std::memory_order_release);
+  lane.last = &e;
+  LayerTable& t = *e.table;
+  uint32_t* slots = reinterpret_cast<uint32_t*>(e.slots.host);
+  auto* count = reinterpret_cast<uint32_t*>(e.moves.host);
+  auto* moves = reinterpret_cast<Move*>(e.moves.host + 16);
+  Landing land;
+  land.bases = std::move(e.bases);  // the entry's next use brings its own
+  land.staging = e.staging->host;
+  land.staging_device = e.staging->device;
+  land.capacity = e.staging->bytes;
+  land.moves = moves + 1;
+  land.max_moves = e.max_moves - 1;
+  std::string failure;
+  try {
+    t.resolve(reinterpret_cast<const uint32_t*>(e.ids.host), slots, e.n, land);
+  } catch (const std::exception& x) {
+    failure = x.what();
+  } catch (...) {
+    failure = t.name + ": the resolution failed";
+  }
+  if (!failure.empty()) {
+    std::fill(slots, slots + e.n, 0u);
+    land.count = 0;  // no row lands: the slots claim nothing they did not receive
+    e.error = failure;
+    if (e.event.valid()) {
+      auto* error = new mx::Error;  // kept: the event holds its address
+      error->set_message(std::make_shared<std::string>(failure));
+      e.event.cast<mx::cu::EventImpl>().error.store(error);
+    }
+  }
+  moves[0] = {e.out, e.slots.device, uint64_t(e.n) * 4};
+  *count = uint32_t(1 + land.count);
+  t.ran();
+  {
+    std::lock_guard<std::mutex> lk(lane.mtx);
+    e.done.store(1);
+  }
+  lane.cv.notify_all();
+}
+#endif
+
 class Resolve : public mx::Primitive {
  public:
   Resolve(mx::Stream s, std::shared_ptr<LayerTable> table) : mx::Primitive(s), table_(std::move(table)) {}
@@ -460,36 +675,88 @@ class Resolve : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& ids = inputs[0];
     auto& out = outputs[0];
+    contiguous(ids);
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    std::vector<char*> bases;
+    Landing land;
     for (size_t t = 1; t < inputs.size(); ++t) {
       outputs[t].copy_shared_buffer(inputs[t]);  // the slot tensors again: the gathers wait for us
-      bases.push_back(const_cast<char*>(inputs[t].data<char>()));
+      land.bases.push_back(const_cast<char*>(inputs[t].data<char>()));
     }
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
+    table_->issued += 1;
     enc.dispatch([ids = mx::array::unsafe_weak_copy(ids), out = mx::array::unsafe_weak_copy(out),
-                  bases = std::move(bases), table = table_]() mutable {
+                  land = std::move(land), table = table_]() mutable {
       uint32_t* slots = out.data<uint32_t>();
       try {
-        table->resolve(ids.data<uint32_t>(), slots, ids.size(), bases);
+        table->resolve(ids.data<uint32_t>(), slots, ids.size(), land);
       } catch (...) {
         // The evaluation fails; the gathers queued behind still run: give them slots in range.
         std::fill(slots, slots + out.size(), 0u);
+        table->ran();
         throw;
       }
+      table->ran();
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("the native decode path runs on MLX's CPU backend only");
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+#ifdef EXPERT_STREAM_CUDA
+    LayerTable& t = *table_;
+    if (t.broken.load()) throw std::runtime_error(t.failed());
+    auto& ids = inputs[0];
+    auto& out = outputs[0];
+    contiguous(ids);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    std::vector<char*> bases;
+    for (size_t i = 1; i < inputs.size(); ++i) {
+      outputs[i].copy_shared_buffer(inputs[i]);  // the slot tensors again: the gathers wait for us
+      bases.push_back(static_cast<char*>(mx::gpu_ptr<void>(outputs[i])));
+    }
+    auto& enc = mx::cu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    const size_t n = ids.size();
+    const size_t misses = std::min(n, size_t(t.slots));  // a call's misses at most
+    size_t expert = 0;
+    for (int64_t b : t.row_bytes) expert += Landing::padded(b);
+    Lane& lane = lane_of(stream().index);
+    Entry& e = lane.acquire(n, misses * size_t(t.tensors) + 1, misses * expert);
+    e.table = table_;
+    e.bases = std::move(bases);
+    e.out = uint64_t(mx::gpu_ptr<void>(out));
+    e.event = out.event();  // valid in an async evaluation: the one whose wait yields the token
+    enc.commit();           // what the encoder queued (the router) runs first, in stream order
+    cudaStream_t s = enc.stream();
+    t.last_stream.store(s);
+    check(cudaMemcpyAsync(e.ids.host, mx::gpu_ptr<void>(ids), n * 4, cudaMemcpyDeviceToHost, s), "ids to the host");
+    check(cudaLaunchHostFunc(s, resolve_on_host, &e), "the host function");
+    t.issued += 1;  // it will run: drain waits for it
+    check(expert_stream_land(reinterpret_cast<const void*>(e.moves.device + 16),
+                             reinterpret_cast<const uint32_t*>(e.moves.device), uint32_t(e.max_moves), s),
+          "the landing kernel");
+    enc.add_temporary(ids);
+    enc.add_temporary(out);
+    if (!e.event.valid()) {  // a synchronous evaluation: its caller waits anyway; fail it here
+      std::unique_lock<std::mutex> lk(lane.mtx);
+      lane.cv.wait(lk, [&e] { return e.done.load() != 0; });
+      if (!e.error.empty()) throw std::runtime_error(e.error);
+    }
+#else
+    throw std::runtime_error("this build of the native decode path has no GPU half (it was built for the CPU)");
+#endif
   }
 
   const char* name() const override { return "ExpertStreamResolve"; }
 
  private:
   std::shared_ptr<LayerTable> table_;
+
+  // A decode call's ids are one row (the Python side sends no others): its elements in order.
+  static void contiguous(const mx::array& ids) {
+    if (!ids.flags().row_contiguous) throw std::runtime_error("resolve: a decode call's expert ids are not one row");
+  }
 };
 
 std::vector<mx::array> resolve(const mx::array& ids, const std::vector<mx::array>& slot_tensors,
@@ -508,7 +775,7 @@ std::vector<mx::array> resolve(const mx::array& ids, const std::vector<mx::array
     dtypes.push_back(a.dtype());
     inputs.push_back(a);
   }
-  auto s = mx::default_stream(mx::Device::cpu);
+  auto s = mx::default_stream(mx::default_device());  // the stream the ops around it run on
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes), std::make_shared<Resolve>(s, table),
                                 std::move(inputs));
 }
@@ -532,7 +799,13 @@ NB_MODULE(_resolve, m) {
            nb::arg("pending"), nb::arg("curve_hist"), nb::arg("curve_stamp"), nb::arg("curve_half_life"),
            nb::arg("counts"), nb::arg("row_bytes"), nb::arg("file_of"), nb::arg("offset_of"),
            nb::arg("shards"))
-      .def_prop_ro("failed", [](TableHandle& h) { return h.table->failed(); });
+      .def_prop_ro("failed", [](TableHandle& h) { return h.table->failed(); })
+      .def("drain", [](TableHandle& h) { h.table->drain(); }, nb::call_guard<nb::gil_scoped_release>());
   m.attr("NUM_COUNTS") = int(NUM_COUNTS);
+#ifdef EXPERT_STREAM_CUDA
+  m.attr("CUDA") = true;
+#else
+  m.attr("CUDA") = false;
+#endif
   m.def("resolve", &resolve, nb::arg("ids"), nb::arg("slot_tensors"), nb::arg("table"));
 }

@@ -36,6 +36,7 @@ from .expert_store import ExpertStore
 from .lookahead import Lookahead, make_probe, module_at, resolve_prefetch
 from .lossy import MissSkipper, override_top_k
 from .native_decode import link_native
+from .native_check import native_module
 from .online_budget import OnlineBudget
 from .guess_buffer import GuessPool
 from .prefill_sweep import ScratchPool
@@ -210,7 +211,9 @@ def _attach(model: nn.Module, index: CheckpointIndex, settings: StreamSettings, 
     if settings.decode_path == "native" and not layers:
         native_why = "no expert layer is streamed (all fit the budget): stock's blocks decode"
     elif settings.decode_path == "native":
-        native_why = link_native(layers, index, reader.cache_bypass)
+        module, native_why = native_module()
+        if module is not None:
+            native_why = link_native(module, layers, index, reader.cache_bypass)
         if native_why:
             log.warning("%s: decode_path native: %s; the Python decode path serves", index.model_dir.name, native_why)
     if resolve_prefetch(settings.prefetch) and native_why != "":

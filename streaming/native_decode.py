@@ -9,31 +9,26 @@ The primitive works on the layer's own ExpertCache arrays (slot_of, expert_in) a
 (LRU's stamps; the default panel's keys and points), never while the Python path does: the
 layer is either the primitive's (`active`) or the Python path's, and `hand_back` waits for
 every resolution queued, folds the primitive's counters into the layer's stats and gives the
-table back before any Python path, budget move or prefill touches it. CPU backend only (its resolutions run in stream order on the CPU stream's worker);
-elsewhere, or where the primitive cannot be built, the Python path serves and the log says why.
+table back before any Python path, budget move or prefill touches it. On MLX's CPU backend and
+on CUDA (resolutions run in stream order: on the CPU stream's worker, or in a CUDA host
+function); elsewhere, or where the primitive cannot be built or prove itself
+(native_check.py), the Python path serves and the log says why.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import os
-import tempfile
 
 import mlx.core as mx
 import numpy as np
 
-from ..native import resolve_build
 from .cache import EMPTY
 from .errors import ReadError
-from .policy import NATIVE_POLICIES, AdaptivePolicy, LRUPolicy
-
-log = logging.getLogger("expert_stream")
+from .policy import NATIVE_POLICIES, AdaptivePolicy
 
 # The primitive's counters (native/resolve.cpp, enum Count), as LayerStats fields.
 COUNTS = ("calls", "hits", "misses", "evictions", "bytes_read", "read_seconds", "demand_calls")
 BYTES = COUNTS.index("bytes_read")
-_why_not: dict = {}
 _factors: dict = {}  # (experts, the panel's decay bases) -> its decay factors for every call size
 
 
@@ -75,54 +70,6 @@ def _restore(policy, state: np.ndarray, curve=None) -> None:
         curve._calls = int(state[3])
 
 
-def native_module():
-    """(the primitive's module, "") where the native decode path can serve in this process, or
-    (None, why not). Decided once a process."""
-    if "result" not in _why_not:
-        _why_not["result"] = _module()
-    return _why_not["result"]
-
-
-def _module():
-    if mx.default_device() != mx.cpu:
-        return None, f"it runs on MLX's CPU backend only (this process computes on {mx.default_device()})"
-    major_minor = tuple(int(p) for p in mx.__version__.split(".")[:2])
-    if major_minor < (0, 32):  # earlier CPU streams do not carry a task's exception to the caller
-        return None, f"it needs MLX 0.32 or later (this is {mx.__version__})"
-    module, why = resolve_build.load()
-    if module is None:
-        return None, why
-    why = _self_check(module)
-    return (module, "") if not why else (None, why)
-
-
-def _self_check(module) -> str:
-    """A miss, a hit and an eviction on a one-slot table over a small file: the build talks to
-    this MLX and gives the file's bytes. "" when it does."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rows")
-        rows = np.arange(8, dtype=np.float32)  # expert e's row: rows[4e:4e+4]
-        rows.tofile(path)
-        st = os.stat(path)
-        shards = module.Shards([path], [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]], False)
-        slot_of = np.full(2, EMPTY, dtype=np.int32)
-        expert_in = np.full(1, EMPTY, dtype=np.int32)
-        counts = np.zeros(module.NUM_COUNTS, dtype=np.uint64)
-        panel = panel_of(LRUPolicy(2, 1), np.zeros(4))
-        table = module.LayerTable("self-check", slot_of, expert_in, **panel, counts=counts, row_bytes=[16],
-                                  file_of=[0, 0], offset_of=[0, 16], shards=shards)
-        slot_rows = mx.zeros((1, 4), dtype=mx.float32)
-        mx.eval(slot_rows)
-        got = []
-        for e in (1, 1, 0):
-            slots, row = module.resolve(mx.array([e], dtype=mx.uint32), [slot_rows], table)
-            got.append((np.array(slots).tolist(), np.array(row).reshape(-1).tolist()))
-        want = [([0], [4.0, 5.0, 6.0, 7.0]), ([0], [4.0, 5.0, 6.0, 7.0]), ([0], [0.0, 1.0, 2.0, 3.0])]
-        if got != want or counts.tolist()[:4] != [3, 1, 2, 1]:
-            return f"its self-check gave {got} (counts {counts.tolist()}), not {want}"
-    return ""
-
-
 class NativeDecode:
     """One streamed layer's decode calls through the primitive (`__call__`), and the hand-over
     of its table to and from the Python path."""
@@ -157,7 +104,7 @@ class NativeDecode:
         for (child, key), array in zip(self.places, arrays):  # the gathers depend on the resolution
             child[key] = array
         y = self.compute(x, slots)
-        # Not pinned (an eval here would wait for the token before): the CPU stream's order keeps
+        # Not pinned (an eval here would wait for the token before): the stream's order keeps
         # the slots until the gathers ran. The latest few outputs are kept for hand_back to
         # evaluate, with every call before them that they depend on.
         self.recent.append(y)
@@ -189,9 +136,9 @@ class NativeDecode:
         store = self.store
         try:
             mx.eval(list(self.recent))  # built and not yet evaluated: they resolve on this table
-            mx.synchronize(mx.default_stream(mx.cpu))  # every resolution queued has run
         except RuntimeError:
             pass  # a failed one: its table says why (below)
+        self.table.drain()  # every resolution queued has run (on CUDA, its copies landed too)
         self.recent.clear()
         self._fold()
         cache = store.cache
@@ -236,12 +183,10 @@ def _place(module, leaf: str):
     return module, key
 
 
-def link_native(layers, index, bypass: str) -> str:
-    """Give every streamed layer its NativeDecode (decode_path: native). Returns "" or why the
-    Python path serves instead (logged once by the caller)."""
-    module, why = native_module()
-    if module is None:
-        return why
+def link_native(module, layers, index, bypass: str) -> str:
+    """Give every streamed layer its NativeDecode (decode_path: native) through the primitive's
+    `module` (native_check.native_module). Returns "" or why the Python path serves instead
+    (logged once by the caller)."""
     try:
         shards = module.Shards([str(i.path) for i in index.identities],
                                [[i.device, i.inode, i.size, i.mtime_ns] for i in index.identities],

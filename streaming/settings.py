@@ -72,7 +72,8 @@ class StreamSettings:
     overlap: bool = True
     # How a decode token's routing reaches the slots: "python" (the routing comes to the host
     # once a layer) or "native" (resolved inside the graph by native/resolve.cpp, no host wait;
-    # MLX's CPU backend only so far, policy lru or default, no lookahead: streaming/README.md).
+    # MLX's CPU backend, and CUDA once it proves itself at load; policy lru or default, no
+    # lookahead: streaming/README.md).
     decode_path: str = "python"
     # Cap on MLX's buffer cache, GiB (None leaves MLX's default, which can hoard freed memory).
     mlx_cache_limit_gib: Optional[float] = 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +18,7 @@ from mlx_lm.generate import generate_step
 
 import expert_stream
 from exactness import load_pair, prompt_ids
-from expert_stream.streaming import native_decode
+from expert_stream.streaming import native_check, native_decode
 from expert_stream.streaming.checkpoint import CheckpointIndex
 from expert_stream.streaming.errors import SettingsError
 from expert_stream.streaming.expert_store import PIN_BOUND
@@ -169,7 +170,7 @@ def test_with_every_expert_layer_resident_the_note_says_so(ckpt):
 def test_without_a_compiler_the_python_path_serves_and_says_why(ckpt, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("EXPERT_STREAM_NATIVE_CACHE", str(tmp_path / "native"))
-    monkeypatch.setattr(native_decode, "_why_not", {})
+    monkeypatch.setattr(native_check, "_why_not", {})
     with caplog.at_level(logging.WARNING, logger="expert_stream"):
         stock, streamed, handle = load_pair(ckpt, **NATIVE)
     path, why = handle.decode_path
@@ -182,11 +183,38 @@ def test_without_a_compiler_the_python_path_serves_and_says_why(ckpt, tmp_path, 
     handle.close()
 
 
+def test_without_the_cuda_toolkit_the_gpu_half_says_what_it_needs(monkeypatch, tmp_path):
+    from expert_stream.native import resolve_build
+
+    monkeypatch.setenv("EXPERT_STREAM_NATIVE_CACHE", str(tmp_path / "native"))
+    monkeypatch.setattr(resolve_build, "cuda_home", lambda: None)
+    module, why = resolve_build.load(cuda=True)
+    assert module is None and "needs the CUDA toolkit" in why and "CUDA_HOME" in why
+    assert not (tmp_path / "native").exists()  # nothing built
+
+
 def test_the_build_proves_itself_at_load():
-    module, why = native_decode.native_module()
+    module, why = native_check.native_module()
     assert module is not None, why
-    assert native_decode._self_check(module) == ""
+    assert native_check.self_check(module) == ""
     assert mx.default_device() == mx.cpu
+
+
+def test_the_proof_a_gpu_runs_fails_a_read_both_ways_in_a_child(tmp_path):
+    """What a CUDA process runs before serving (native_check._proven_in_child), here on the CPU:
+    a failed read raises from an async and from a synchronous evaluation, in a child process
+    whose pass is kept beside the build; nothing of it leaks into the evaluations after."""
+    module, why = native_check.native_module()
+    assert module is not None, why
+    assert native_check.self_check(module, failures=True) == ""
+    assert np.array(mx.arange(3) + 1).tolist() == [1, 2, 3]  # no failure left to surface
+    proven = Path(module.__file__).with_suffix(".proven")
+    proven.unlink(missing_ok=True)
+    try:
+        assert native_check._proven_in_child(module) == ""
+        assert proven.read_text().strip() == "proven"
+    finally:
+        proven.unlink(missing_ok=True)
 
 
 def test_routing_recorded_under_the_native_path_is_the_python_paths(checkpoints):

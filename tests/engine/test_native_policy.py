@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from expert_stream.streaming import native_decode
+from expert_stream.streaming import native_check, native_decode
 from expert_stream.streaming.budget import HitCurve
 from expert_stream.streaming.cache import EMPTY, ExpertCache
 from expert_stream.streaming.policy import AccessOrder, AdaptivePolicy, LRUPolicy
@@ -66,7 +66,7 @@ def rows(tmp_path):
 
 @pytest.mark.parametrize("policy_class", [LRUPolicy, AdmitAll])
 def test_native_eviction_decides_as_the_python_path(rows, policy_class):
-    module, why = native_decode.native_module()
+    module, why = native_check.native_module()
     assert module is not None, why
     st = os.stat(rows)
     shards = module.Shards([str(rows)], [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]], False)

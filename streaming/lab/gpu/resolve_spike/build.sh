@@ -13,7 +13,7 @@ ext=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX')
 flags=(-O2 -std=c++20 -fPIC -fvisibility=hidden -DNB_DOMAIN=mlx -I"$mlx/include" -I"$py" -I"$nb/include" -I"$nb/ext/robin_map/include")
 libs=(-L"$mlx/lib" -lmlx -Wl,-rpath,"$mlx/lib")
 if [ -n "$cuda" ]; then
-  flags+=(-DSPIKE_CUDA -I"$cuda/include" -I"$mlx/include/cccl" -I"$here/shim")
+  flags+=(-DSPIKE_CUDA -I"$cuda/include" -I"$mlx/include/cccl" -I"$here/../../../../native/cuda_shim")
   # the CUDA runtime libmlx itself loads: one runtime in the process
   cudart=$(ldd "$mlx/lib/libmlx.so" | awk '/libcudart/ && $3 ~ /^\// {print $3; exit}')
   libs+=("${cudart:-$cuda/lib64/libcudart.so}")
