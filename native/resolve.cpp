@@ -307,6 +307,7 @@ struct LayerTable {
   // (the numpy arrays these point into are kept alive by the Python side, which holds no
   // Python object here: a table's last reference may drop on the stream's worker, GIL-less)
   std::vector<int64_t> row_bytes;  // tensor -> bytes of one expert's row
+  size_t staged_bytes = 0;         // one expert's rows in CUDA staging, each padded
   std::vector<int32_t> file_of;    // (expert, tensor) -> shard
   std::vector<int64_t> offset_of;  // (expert, tensor) -> byte offset in the shard
   std::shared_ptr<Shards> shards;
@@ -521,6 +522,7 @@ void make_table(TableHandle* self, std::string name, nb::ndarray<int32_t, nb::c_
   for (int32_t f : file_of)
     if (f < 0 || size_t(f) >= shards.shards->fds.size()) throw std::invalid_argument("resolve: a row names no shard");
   t->row_bytes = std::move(row_bytes);
+  for (int64_t b : t->row_bytes) t->staged_bytes += Landing::padded(b);
   t->file_of = std::move(file_of);
   t->offset_of = std::move(offset_of);
   t->shards = shards.shards;
@@ -719,10 +721,8 @@ class Resolve : public mx::Primitive {
     for (auto& a : outputs) enc.set_output_array(a);
     const size_t n = ids.size();
     const size_t misses = std::min(n, size_t(t.slots));  // a call's misses at most
-    size_t expert = 0;
-    for (int64_t b : t.row_bytes) expert += Landing::padded(b);
     Lane& lane = lane_of(stream().index);
-    Entry& e = lane.acquire(n, misses * size_t(t.tensors) + 1, misses * expert);
+    Entry& e = lane.acquire(n, misses * size_t(t.tensors) + 1, misses * t.staged_bytes);
     e.table = table_;
     e.bases = std::move(bases);
     e.out = uint64_t(mx::gpu_ptr<void>(out));
@@ -800,12 +800,8 @@ NB_MODULE(_resolve, m) {
            nb::arg("counts"), nb::arg("row_bytes"), nb::arg("file_of"), nb::arg("offset_of"),
            nb::arg("shards"))
       .def_prop_ro("failed", [](TableHandle& h) { return h.table->failed(); })
+      .def_prop_ro("queued", [](TableHandle& h) { return h.table->issued.load() - h.table->finished.load(); })
       .def("drain", [](TableHandle& h) { h.table->drain(); }, nb::call_guard<nb::gil_scoped_release>());
   m.attr("NUM_COUNTS") = int(NUM_COUNTS);
-#ifdef EXPERT_STREAM_CUDA
-  m.attr("CUDA") = true;
-#else
-  m.attr("CUDA") = false;
-#endif
   m.def("resolve", &resolve, nb::arg("ids"), nb::arg("slot_tensors"), nb::arg("table"));
 }

@@ -184,6 +184,9 @@ class StreamHandle:
         if self._closed:
             return
         self._closed = True
+        for layer in self.layers:
+            if layer.native is not None:
+                layer.native.close()
         self.reader.close()
         LEDGER.remove(self)
 

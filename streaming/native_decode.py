@@ -152,6 +152,15 @@ class NativeDecode:
             self.active = True  # keeps failing through the primitive, as the evaluation did
             raise ReadError(failed)
 
+    def close(self) -> None:
+        """The model is going away: wait for every resolution queued (mlx-lm evaluates a token
+        ahead), since each writes into the arrays that go with it."""
+        table = getattr(self, "table", None)
+        if table is not None:
+            table.drain()
+
+    __del__ = close
+
     def _fold(self) -> None:
         stats = self.store.cache.stats
         for name, value in self.unfolded().items():

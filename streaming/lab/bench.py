@@ -324,6 +324,7 @@ def run_streamed(cfg: BenchConfig, log: Callable[[str], None] = _log) -> tuple[d
     lookaheads = [look for layer in handle.layers for look in layer.lookaheads]
     report.update(
         decode_tok_s=run["decode_tok_s"],
+        decode_path=handle.decode_path[0],
         prefill_tok_s=run["prefill_tok_s"],
         decode_tokens=decode_tokens,
         hits=decode["hits"],

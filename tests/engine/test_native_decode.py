@@ -135,6 +135,25 @@ def test_a_failed_read_fails_the_evaluation_naming_it_and_keeps_failing(ckpt):
     handle.close()
 
 
+def test_closing_the_model_waits_for_the_token_mlx_lm_evaluates_ahead(ckpt, monkeypatch):
+    """mlx-lm queues token n+1 before it yields token n: closing the model then must wait for
+    that token's resolutions, which write into the layer's arrays."""
+    left = []
+    close = native_decode.NativeDecode.close
+
+    def spied(self):
+        close(self)
+        left.append(self.table.queued)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "close", spied)
+    _, streamed, handle = load_pair(ckpt, **NATIVE)
+    steps = generate_step(prompt_ids(6)[0], streamed, max_tokens=64)
+    for _ in range(4):
+        next(steps)
+    handle.close()
+    assert left == [0] * len(handle.layers)
+
+
 def test_a_changed_shard_stops_the_model_naming_it(ckpt):
     stock, streamed, handle = load_pair(ckpt, **NATIVE)
     prompt = prompt_ids(6)[0]

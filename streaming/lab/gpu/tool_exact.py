@@ -100,7 +100,7 @@ def main(args) -> int:
             try:
                 bad = check(stock, streamed, args)
                 totals = handle.stats()["totals"]
-                r.update(hits=totals["hits"], misses=totals["misses"],
+                r.update(hits=totals["hits"], misses=totals["misses"], path=handle.decode_path[0],
                          result="exact" if bad is None else f"MISMATCH {bad}")
                 failed += bad is not None
             except RuntimeError as exc:  # an MLX kernel missing for a shape: not the engine's to judge
@@ -113,8 +113,8 @@ def main(args) -> int:
             mx.clear_cache()
     head = (f"device {mx.default_device()}; prompt {args.prompt_tokens} tokens in chunks of "
             f"{args.chunk or args.prompt_tokens}, {args.decode_steps} greedy decode steps; settings {settings}\n")
-    text = head + table(["checkpoint", "case", "slots", "hits", "misses", "result"],
-                        [[Path(r["checkpoint"]).name, r["case"], r["slots"], r.get("hits"), r.get("misses"), r["result"]]
+    text = head + table(["checkpoint", "case", "slots", "path", "hits", "misses", "result"],
+                        [[Path(r["checkpoint"]).name, r["case"], r["slots"], r.get("path"), r.get("hits"), r.get("misses"), r["result"]]
                          for r in rows])
     write_outputs(args.out, "exact", {"device": str(mx.default_device()), "cases": rows,
                                       "mismatches": failed}, text)
