@@ -27,17 +27,19 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[3])
     from rss_sampler import PeakRSS
     with PeakRSS() as m:
-        model, tokenizer, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]))
+        model, tokenizer, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]),
+                                                      decode_path=sys.argv[4])
         text = mlx_lm.generate(model, tokenizer, "hello " * 64, max_tokens=12)
     stats = handle.stats()["totals"]
-    print(json.dumps({"baseline": m.base, "peak": m.peak, "bytes_read": stats["bytes_read"],
+    print(json.dumps({"path": handle.stats()["decode_path"], "baseline": m.base, "peak": m.peak, "bytes_read": stats["bytes_read"],
                       "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
                       "scratch": handle.layers[0].sweep.scratch.nbytes}))
     """
 )
 
 
-def test_peak_rss_below_trunk_plus_budget(checkpoints):
+@pytest.mark.parametrize("decode_path", ["python", "native"])
+def test_peak_rss_below_trunk_plus_budget(checkpoints, decode_path):
     path = checkpoints(
         "qwen3_moe", layers=8, experts=64, top_k=4, hidden=1024, moe_hidden=1024, shard_size_mb=256
     )
@@ -45,7 +47,8 @@ def test_peak_rss_below_trunk_plus_budget(checkpoints):
     assert fp.expert_bytes > 900 * MB
     budget_gib = fp.min_budget_gib * 1.5
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), str(budget_gib), str(Path(__file__).resolve().parents[1])],
+        [sys.executable, "-c", CHILD, str(path), str(budget_gib), str(Path(__file__).resolve().parents[1]),
+         decode_path],
         capture_output=True, text=True, timeout=600, check=True,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -56,6 +59,7 @@ def test_peak_rss_below_trunk_plus_budget(checkpoints):
         f"{budget / MB:.0f} MB, scratch {r['scratch'] / MB:.0f} MB: RSS grew {grown / MB:.0f} MB "
         f"(baseline {r['baseline'] / MB:.0f} MB), read {r['bytes_read'] / MB:.0f} MB"
     )
+    assert r["path"] == decode_path
     assert fp.expert_bytes > 10 * budget  # experts are many times the budget
     assert r["misses"] > 0 and r["bytes_read"] > budget  # it really streamed
     assert grown < fp.trunk_bytes + budget + MARGIN_BYTES
@@ -159,7 +163,8 @@ def test_layer_major_prefill_peak_rss_is_per_chunk_plus_the_activation_term(chec
     for window in (0, 32768):
         out = subprocess.run(
             [sys.executable, "-c", PREFILL_CHILD, str(path), str(budget), str(window),
-             str(Path(__file__).resolve().parents[1])],
+             str(Path(__file__).resolve().parents[1]),
+         decode_path],
             capture_output=True, text=True, timeout=600, check=True,
         )
         runs[window] = json.loads(out.stdout.strip().splitlines()[-1])
