@@ -280,6 +280,7 @@ struct Landing {
   size_t used = 0, capacity = 0;
   Move* moves = nullptr;
   size_t count = 0, max_moves = 0;
+  size_t claimed = 0;  // moves of the experts claimed so far: what lands if a later read fails
 
   static size_t padded(int64_t bytes) { return (size_t(bytes) + 255) & ~size_t(255); }
 
@@ -439,6 +440,7 @@ struct LayerTable {
                                       .count());
       expert_in[slot] = e;  // claimed only now that every row landed
       slot_of[e] = slot;
+      land.claimed = land.count;
     }
     for (size_t i = 0; i < n; ++i) out[i] = uint32_t(slot_of[ids[i]]);
   }
@@ -651,7 +653,7 @@ void CUDART_CB resolve_on_host(void* p) {
   }
   if (!failure.empty()) {
     std::fill(slots, slots + e.n, 0u);
-    land.count = 0;  // no row lands: the slots claim nothing they did not receive
+    land.count = land.claimed;  // the claimed experts' rows land, no other: no slot claims bytes it lacks
     e.error = failure;
     if (e.event.valid()) {
       auto* error = new mx::Error;  // kept: the event holds its address
