@@ -56,7 +56,8 @@ def test_an_error_is_clear_when_it_names_the_model_and_shows_no_path():
 
 @pytest.mark.slow
 @pytest.mark.server
-@pytest.mark.parametrize("host, settings", [("mlx_lm", {}), ("openai", {}), ("mlx_lm", {"decode_path": "native"})])
+@pytest.mark.parametrize("host, settings", [("mlx_lm", {}), ("openai", {}), ("mlx_lm", {"decode_path": "native"})],
+                         ids=["mlx_lm", "openai", "mlx_lm-native"])
 def test_a_short_soak_finds_nothing(host, settings, tmp_path):
     from expert_stream.streaming.lab.soak import SoakPlan, run_soak
 
@@ -68,3 +69,5 @@ def test_a_short_soak_finds_nothing(host, settings, tmp_path):
     assert summary["wrong"] == summary["hangs"] == summary["unclear errors"] == 0
     assert summary["exact"] >= 20 and summary["requests"] == (summary["exact"] + summary["clear errors"]
                                                              + summary["no server (killed by the soak)"])
+    # moe-a streams at every budget the soak gives it (moe-b's auto budget may hold every expert)
+    assert summary["decode paths"].get("moe-a") == [settings.get("decode_path", "python")], summary["decode paths"]

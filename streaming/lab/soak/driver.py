@@ -63,6 +63,16 @@ def sample_loop(host, tally: Tally, stop: threading.Event) -> None:
     while not stop.wait(2.0):
         if host.alive():
             tally.sample(*sample_tree(host.pid))
+            tally.saw_paths(status_models(host))
+
+
+def status_models(host) -> dict:
+    """The host's loaded models as its status names them ({} while it does not answer)."""
+    try:
+        code, body = call(host.port, "GET", "/expert-stream/status", timeout=30)
+        return json.loads(body).get("models", {}) if code == 200 else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def run_soak(plan: SoakPlan, say=print) -> dict:
@@ -124,7 +134,7 @@ def server_view(host, chaos, tally) -> dict:
     code, body = call(host.port, "GET", "/expert-stream/status")
     status = json.loads(body) if code == 200 else {}
     models = status.get("models", {})
+    tally.saw_paths(models)
     restarts = {m: s.get("restarts", 0) for m, s in models.items() if s.get("restarts")}
-    paths = {m: (s.get("stats") or {}).get("decode_path") for m, s in models.items() if s.get("stats")}
     return {"server reloads": status.get("reloads"), "server reloads refused": status.get("reloads_refused"),
-            "restarts": restarts, "host starts": host.starts, "decode paths": paths}
+            "restarts": restarts, "host starts": host.starts}

@@ -24,6 +24,7 @@ class Tally:
         self.failure_count = 0
         self.longest_wait = 0.0
         self.samples: list[tuple] = []  # (t, rss bytes, open files, threads)
+        self.paths: dict[str, set] = {}  # model -> the decode paths its status named during the run
 
     def verdict(self, model: str, verdict) -> None:
         with self.lock:
@@ -58,6 +59,16 @@ class Tally:
         with self.lock:
             self.samples.append((time.time(), rss, files, threads))
 
+    def saw_paths(self, models: dict) -> None:
+        """The decode path each loaded streamed model's status names (GET /expert-stream/status),
+        with its note where it has one (why native does not serve it)."""
+        with self.lock:
+            for name, model in models.items():
+                stats = model.get("stats") or {}
+                if stats.get("decode_path"):
+                    note = stats.get("decode_path_note")
+                    self.paths.setdefault(name, set()).add(stats["decode_path"] + (f" ({note})" if note else ""))
+
     def progress(self) -> str:
         with self.lock:
             return (f"{sum(self.verdicts.values())} requests ({self.verdicts[EXACT]} exact, "
@@ -78,6 +89,7 @@ class Tally:
             "by model": {f"{m} {k}": n for (m, k), n in sorted(self.by_model.items())},
             "faults": dict(sorted(self.faults.items())), "counts": dict(sorted(self.counts.items())),
             **server,
+            "decode paths": {m: sorted(p) for m, p in sorted(self.paths.items())},
             "rss MiB (after warm-up, peak, end)": [round(x / 2**20, 1) for x in (warm, max(rss, default=0),
                                                                                 rss[-1] if rss else 0)],
             "rss growth MiB": round(((rss[-1] if rss else 0) - warm) / 2**20, 1),
