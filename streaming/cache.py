@@ -103,13 +103,13 @@ class ExpertCache:
         if self.curve is not None:
             self.curve.record(needed)
         hit = self.resident(needed)
-        self.stats.hits += int(hit.sum())
         used_spec = needed[hit & self.prefetched[needed]]
         if used_spec.size:
             self.stats.prefetch_hits += int(used_spec.size)
             self.prefetched[used_spec] = False
         missing = needed[~hit]
-        self.stats.misses += int(missing.size)
+        self.stats.hits += needed.size - missing.size
+        self.stats.misses += missing.size
         return missing
 
     def admitted(self, missing: np.ndarray, protected: np.ndarray) -> np.ndarray:

@@ -31,8 +31,8 @@ CHILD = textwrap.dedent(
                                                       decode_path=sys.argv[4])
         text = mlx_lm.generate(model, tokenizer, "hello " * 64, max_tokens=12)
     stats = handle.stats()["totals"]
-    print(json.dumps({"path": handle.stats()["decode_path"], "baseline": m.base, "peak": m.peak, "bytes_read": stats["bytes_read"],
-                      "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
+    print(json.dumps({"path": handle.stats()["decode_path"], "baseline": m.base, "peak": m.peak,
+                      "bytes_read": stats["bytes_read"], "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
                       "scratch": handle.layers[0].sweep.scratch.nbytes}))
     """
 )
@@ -163,8 +163,7 @@ def test_layer_major_prefill_peak_rss_is_per_chunk_plus_the_activation_term(chec
     for window in (0, 32768):
         out = subprocess.run(
             [sys.executable, "-c", PREFILL_CHILD, str(path), str(budget), str(window),
-             str(Path(__file__).resolve().parents[1]),
-         decode_path],
+             str(Path(__file__).resolve().parents[1])],
             capture_output=True, text=True, timeout=600, check=True,
         )
         runs[window] = json.loads(out.stdout.strip().splitlines()[-1])
