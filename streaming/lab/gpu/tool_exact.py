@@ -114,8 +114,8 @@ def main(args) -> int:
     head = (f"device {mx.default_device()}; prompt {args.prompt_tokens} tokens in chunks of "
             f"{args.chunk or args.prompt_tokens}, {args.decode_steps} greedy decode steps; settings {settings}\n")
     text = head + table(["checkpoint", "case", "slots", "path", "hits", "misses", "result"],
-                        [[Path(r["checkpoint"]).name, r["case"], r["slots"], r.get("path"), r.get("hits"), r.get("misses"), r["result"]]
-                         for r in rows])
+                        [[Path(r["checkpoint"]).name, r["case"], r["slots"], r.get("path"), r.get("hits"),
+                          r.get("misses"), r["result"]] for r in rows])
     write_outputs(args.out, "exact", {"device": str(mx.default_device()), "cases": rows,
                                       "mismatches": failed}, text)
     return 1 if failed else 0
