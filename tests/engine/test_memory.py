@@ -30,8 +30,9 @@ CHILD = textwrap.dedent(
         model, tokenizer, handle = expert_stream.load(sys.argv[1], budget_gib=float(sys.argv[2]),
                                                       decode_path=sys.argv[4])
         text = mlx_lm.generate(model, tokenizer, "hello " * 64, max_tokens=12)
-    stats = handle.stats()["totals"]
-    print(json.dumps({"path": handle.stats()["decode_path"], "baseline": m.base, "peak": m.peak,
+    report = handle.stats()
+    stats = report["totals"]
+    print(json.dumps({"path": report["decode_path"], "baseline": m.base, "peak": m.peak,
                       "bytes_read": stats["bytes_read"], "misses": stats["misses"], "slot_bytes": handle.budget_bytes,
                       "scratch": handle.layers[0].sweep.scratch.nbytes}))
     """

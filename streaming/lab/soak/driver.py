@@ -63,16 +63,16 @@ def sample_loop(host, tally: Tally, stop: threading.Event) -> None:
     while not stop.wait(2.0):
         if host.alive():
             tally.sample(*sample_tree(host.pid))
-            tally.saw_paths(status_models(host))
+            try:
+                tally.saw_paths(status_of(host, timeout=30).get("models", {}))
+            except (OSError, ValueError):
+                pass  # not answering now: the next sample asks again
 
 
-def status_models(host) -> dict:
-    """The host's loaded models as its status names them ({} while it does not answer)."""
-    try:
-        code, body = call(host.port, "GET", "/expert-stream/status", timeout=30)
-        return json.loads(body).get("models", {}) if code == 200 else {}
-    except (OSError, ValueError):
-        return {}
+def status_of(host, timeout: float = 120) -> dict:
+    """GET /expert-stream/status ({} on another status code)."""
+    code, body = call(host.port, "GET", "/expert-stream/status", timeout=timeout)
+    return json.loads(body) if code == 200 else {}
 
 
 def run_soak(plan: SoakPlan, say=print) -> dict:
@@ -131,8 +131,7 @@ def server_view(host, chaos, tally) -> dict:
     if not host.alive():
         return {}
     tally.sample(*sample_tree(host.pid))
-    code, body = call(host.port, "GET", "/expert-stream/status")
-    status = json.loads(body) if code == 200 else {}
+    status = status_of(host)
     models = status.get("models", {})
     tally.saw_paths(models)
     restarts = {m: s.get("restarts", 0) for m, s in models.items() if s.get("restarts")}
